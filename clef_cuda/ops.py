@@ -1,0 +1,255 @@
+"""Typed wrappers over the ``clef_cuda._C`` ops (``torch.ops.clef.*``).
+
+The wrappers allocate outputs, bring convenience inputs to the kernels' contract (fp32 conv weights,
+int32 metadata, a [C, 1, K] conv weight squeezed) and call the op; the C++ host entries check every
+shape, dtype, device and layout and raise ValueError/TypeError/RuntimeError with an actionable message.
+Each function has a pure-torch twin of the same name and signature in ``clef_cuda.reference``.
+
+Conventions: tokens of several sequences are packed along dim 0 and delimited by ``cu_seqlens`` (int32
+[B+1]); per-sequence caches live in slot pools indexed by ``state_indices`` (int32 [B], negative = no
+slot: start from zeros, save nothing); ``has_initial_state`` (bool [B]) says whether a slot holds the
+previous chunk's state. A batch must not give two sequences the same slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from clef_cuda import _C  # noqa: F401  (registers torch.ops.clef)
+
+Tensor = torch.Tensor
+
+
+def _int32(t: Tensor) -> Tensor:
+    if not t.is_floating_point() and t.dtype not in (torch.int32, torch.bool):
+        t = t.to(torch.int32)
+    return t.contiguous()
+
+
+def _bool(t: Tensor) -> Tensor:
+    return (t.to(torch.bool) if t.dtype != torch.bool and not t.is_floating_point() else t).contiguous()
+
+
+def _f32(t: Tensor | None) -> Tensor | None:
+    if t is None:
+        return None
+    return t.to(torch.float32).contiguous() if t.dtype != torch.float32 else t.contiguous()
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _conv_weight(weight: Tensor) -> Tensor:
+    # Checkpoints store the depthwise conv as [C, 1, K]; the kernels take [C, K] fp32.
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight.squeeze(1)
+    return _f32(weight)
+
+
+class OpLibrary:
+    """The wrappers, bound to one op namespace: ``clef`` (this package's extension) or, in tests only,
+    ``clef_sim`` (the same CUDA kernels run on the CPU by the test-suite's simulator)."""
+
+    def __init__(self, namespace: str = "clef") -> None:
+        self._ops = getattr(torch.ops, namespace)
+
+    # ---- causal conv1d ---------------------------------------------------------------------------
+    def causal_conv1d_fwd(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        conv_states: Tensor,
+        cu_seqlens: Tensor,
+        state_indices: Tensor,
+        has_initial_state: Tensor,
+        *,
+        silu: bool = True,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """Causal depthwise conv1d (+ SiLU) over packed sequences, continuing from and updating their history.
+
+        x [N, C] (token-major, last dim contiguous), weight [C, K] or [C, 1, K], bias [C] or None,
+        conv_states [S, C, K-1] dtype of x (the last K-1 raw inputs per slot; read where has_initial_state,
+        then overwritten), cu_seqlens [B+1], state_indices [B], has_initial_state [B] -> out [N, C].
+        """
+        x = _last_dim_contiguous(x)
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self._ops.causal_conv1d_fwd(
+            x,
+            _conv_weight(weight),
+            _f32(bias),
+            conv_states,
+            _int32(cu_seqlens),
+            _int32(state_indices),
+            _bool(has_initial_state),
+            silu,
+            out,
+        )
+        return out
+
+    def causal_conv1d_update(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        conv_states: Tensor,
+        state_indices: Tensor,
+        *,
+        silu: bool = True,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """Decode step: one new token per sequence. x [B, C] -> out [B, C]; conv_states updated in place."""
+        x = _last_dim_contiguous(x)
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self._ops.causal_conv1d_update(
+            x, _conv_weight(weight), _f32(bias), conv_states, _int32(state_indices), silu, out
+        )
+        return out
+
+    # ---- gated delta rule ------------------------------------------------------------------------
+    def gated_delta_rule_chunk(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        states: Tensor,
+        cu_seqlens: Tensor,
+        state_indices: Tensor,
+        has_initial_state: Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = True,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """Gated delta rule over packed sequences (prefill chunks), continuing from and updating fp32 states.
+
+        q, k [N, Hk, Dk], v [N, Hv, Dv] (Hv a multiple of Hk; any token/head strides, last dim contiguous),
+        g [N, Hv] log decay, beta [N, Hv], states [S, Hv, Dk, Dv] fp32, cu_seqlens [B+1], state_indices [B],
+        has_initial_state [B]; scale defaults to Dk ** -0.5 -> out [N, Hv, Dv] (dtype of v).
+        """
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        if out is None:
+            out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        self._ops.gated_delta_rule_chunk(
+            q,
+            k,
+            v,
+            _f32(g),
+            _f32(beta),
+            states,
+            _int32(cu_seqlens),
+            _int32(state_indices),
+            _bool(has_initial_state),
+            float(q.shape[-1] ** -0.5 if scale is None else scale),
+            use_qk_l2norm,
+            out,
+        )
+        return out
+
+    def gated_delta_rule_recurrent(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        states: Tensor,
+        state_indices: Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool = True,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """Decode step: one token per sequence. q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv] -> out [B, Hv, Dv]."""
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        if out is None:
+            out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        self._ops.gated_delta_rule_recurrent(
+            q,
+            k,
+            v,
+            _f32(g),
+            _f32(beta),
+            states,
+            _int32(state_indices),
+            float(q.shape[-1] ** -0.5 if scale is None else scale),
+            use_qk_l2norm,
+            out,
+        )
+        return out
+
+    # ---- paged KV cache --------------------------------------------------------------------------
+    def reshape_and_cache(
+        self, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+    ) -> None:
+        """Write new tokens' keys/values into the paged caches.
+
+        key, value [N, Hkv, D]; key_cache, value_cache [num_blocks, block_size, Hkv, D];
+        slot_mapping [N]: block * block_size + offset of each token (negative: skip the token).
+        """
+        key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+        self._ops.reshape_and_cache(key, value, key_cache, value_cache, _int32(slot_mapping))
+
+    def paged_attention(
+        self,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        cu_seqlens_q: Tensor,
+        context_lens: Tensor,
+        block_tables: Tensor,
+        *,
+        scale: float | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """Attention of packed new queries over each sequence's cached context (write it first).
+
+        query [N, Hq, D] (Hq a multiple of Hkv), caches [num_blocks, block_size, Hkv, D],
+        cu_seqlens_q [B+1], context_lens [B] (cached keys, new ones included), block_tables [B, max_blocks].
+        Query i of a sequence with q_len queries attends keys [0, context_len - q_len + i]. -> out [N, Hq, D].
+        """
+        query = _last_dim_contiguous(query)
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        self._ops.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            _int32(cu_seqlens_q),
+            _int32(context_lens),
+            _int32(block_tables),
+            float(query.shape[-1] ** -0.5 if scale is None else scale),
+            out,
+        )
+        return out
+
+
+def _register_fake_kernels(namespace: str) -> None:
+    """Fake (meta) kernels: every op only mutates arguments the caller allocated, so there is nothing to
+    infer. torch.compile and torch.library.opcheck use them."""
+    for name in (
+        "causal_conv1d_fwd",
+        "causal_conv1d_update",
+        "gated_delta_rule_chunk",
+        "gated_delta_rule_recurrent",
+        "reshape_and_cache",
+        "paged_attention",
+    ):
+        torch.library.register_fake(f"{namespace}::{name}")(lambda *args, **kwargs: None)
+
+
+_register_fake_kernels("clef")
+_default = OpLibrary("clef")
+
+causal_conv1d_fwd = _default.causal_conv1d_fwd
+causal_conv1d_update = _default.causal_conv1d_update
+gated_delta_rule_chunk = _default.gated_delta_rule_chunk
+gated_delta_rule_recurrent = _default.gated_delta_rule_recurrent
+reshape_and_cache = _default.reshape_and_cache
+paged_attention = _default.paged_attention

@@ -1,0 +1,245 @@
+"""Pure-torch references of every op in ``clef_cuda.ops``: same names, same signatures, fp32 inside.
+
+They are the arbiter the fast ops are tested against, and are themselves tested against the upstream
+oracles (transformers' Qwen3.5 fallbacks, FLA's naive.py, torch's attention). Written for clarity, not
+speed: loops over sequences are fine here. This module never imports the compiled extension.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+GDR_CHUNK = 64  # chunk length of the chunked (WY) delta-rule form
+
+
+def _sequences(cu_seqlens: Tensor) -> list[tuple[int, int]]:
+    cu = cu_seqlens.tolist()
+    return [(cu[b], cu[b + 1]) for b in range(len(cu) - 1)]
+
+
+def _conv_weight(weight: Tensor) -> Tensor:
+    return (weight.squeeze(1) if weight.dim() == 3 else weight).float()
+
+
+# ---- causal conv1d ------------------------------------------------------------------------------
+def causal_conv1d_fwd(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_states: Tensor,
+    cu_seqlens: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    *,
+    silu: bool = True,
+    out: Tensor | None = None,
+) -> Tensor:
+    """x [N, C], weight [C, K] (or [C, 1, K]), bias [C] | None, conv_states [S, C, K-1] (updated),
+    cu_seqlens [B+1], state_indices [B] (< 0: no slot), has_initial_state [B] -> out [N, C].
+
+    y[t, c] = act(bias[c] + sum_j weight[c, j] * in[t - (K-1) + j, c]) where in[] continues the slot's
+    remembered inputs (zeros without one); afterwards the slot remembers the last K-1 inputs.
+    """
+    w = _conv_weight(weight)
+    channels, width = w.shape
+    if out is None:
+        out = torch.empty_like(x)
+    for b, (start, end) in enumerate(_sequences(cu_seqlens)):
+        slot = int(state_indices[b])
+        if slot >= 0 and bool(has_initial_state[b]):
+            history = conv_states[slot].float()  # [C, K-1], oldest first
+        else:
+            history = x.new_zeros(channels, width - 1, dtype=torch.float32)
+        inputs = torch.cat([history, x[start:end].float().t()], dim=1)  # [C, K-1+L]
+        y = F.conv1d(inputs.unsqueeze(0), w.unsqueeze(1), None if bias is None else bias.float(), groups=channels)[0]
+        if silu:
+            y = F.silu(y)
+        out[start:end] = y.t().to(out.dtype)
+        if slot >= 0:
+            conv_states[slot] = inputs[:, inputs.shape[1] - (width - 1) :].to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv_states: Tensor,
+    state_indices: Tensor,
+    *,
+    silu: bool = True,
+    out: Tensor | None = None,
+) -> Tensor:
+    """x [B, C] (one token per sequence) -> out [B, C]; conv_states [S, C, K-1] updated (the slot is always read)."""
+    batch = x.shape[0]
+    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32)
+    has_initial = torch.ones(batch, dtype=torch.bool)
+    return causal_conv1d_fwd(
+        x, weight, bias, conv_states, cu_seqlens, state_indices, has_initial, silu=silu, out=out
+    )
+
+
+# ---- gated delta rule ---------------------------------------------------------------------------
+def _l2norm(t: Tensor) -> Tensor:
+    return t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6)
+
+
+def _prepare_qk(q: Tensor, k: Tensor, num_v_heads: int, scale: float, use_qk_l2norm: bool) -> tuple[Tensor, Tensor]:
+    """[L, Hk, D] -> [L, Hv, D] fp32, normalised and scaled; value head h reads key head h // (Hv/Hk)."""
+    group = num_v_heads // q.shape[1]
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    return (q * scale).repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+
+
+def _delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """One sequence, all heads: q, k [L, H, Dk], v [L, H, Dv], g, beta [L, H], state [H, Dk, Dv] (fp32).
+
+    Within a chunk with cumulative log decay G_t, the deltas U solve (I + A) U = beta (V - e^G K S0),
+    A[t, s] = beta_t e^(G_t - G_s) k_t.k_s for s < t (unit lower-triangular: one triangular solve), and
+    O = e^G Q S0 + (causal e^(G_t - G_s) Q K^T) U,  S = e^(G_last) S0 + sum_s e^(G_last - G_s) k_s u_s^T.
+    """
+    length = q.shape[0]
+    outputs = []
+    for c0 in range(0, length, GDR_CHUNK):
+        qc, kc, vc = (t[c0 : c0 + GDR_CHUNK].transpose(0, 1) for t in (q, k, v))  # [H, C, D]
+        gc, bc = g[c0 : c0 + GDR_CHUNK].t(), beta[c0 : c0 + GDR_CHUNK].t()  # [H, C]
+        n = gc.shape[1]
+        cum = gc.cumsum(-1)  # G_t
+        diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # G_t - G_s
+        lower = torch.ones(n, n, dtype=torch.bool).tril(-1)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        decay_strict = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()
+        decay_causal = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+        a = bc.unsqueeze(-1) * decay_strict * (kc @ kc.transpose(-1, -2))
+        system = a + torch.eye(n)
+        rhs = bc.unsqueeze(-1) * (vc - cum.exp().unsqueeze(-1) * (kc @ state))
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, C, Dv]
+        o = cum.exp().unsqueeze(-1) * (qc @ state) + (decay_causal * (qc @ kc.transpose(-1, -2))) @ u
+        last = cum[:, -1:]
+        state = last.exp().unsqueeze(-1) * state + (kc * (last - cum).exp().unsqueeze(-1)).transpose(-1, -2) @ u
+        outputs.append(o.transpose(0, 1))
+    out = torch.cat(outputs) if outputs else v.new_zeros(v.shape)
+    return out, state
+
+
+def gated_delta_rule_chunk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    states: Tensor,
+    cu_seqlens: Tensor,
+    state_indices: Tensor,
+    has_initial_state: Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: Tensor | None = None,
+) -> Tensor:
+    """q, k [N, Hk, Dk], v [N, Hv, Dv], g [N, Hv], beta [N, Hv], states [S, Hv, Dk, Dv] fp32 (updated),
+    cu_seqlens [B+1], state_indices [B], has_initial_state [B] -> out [N, Hv, Dv]. Chunked (WY) form."""
+    num_v_heads, dk, dv = v.shape[1], q.shape[-1], v.shape[-1]
+    scale = dk**-0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for b, (start, end) in enumerate(_sequences(cu_seqlens)):
+        slot = int(state_indices[b])
+        if slot >= 0 and bool(has_initial_state[b]):
+            state = states[slot].float()
+        else:
+            state = torch.zeros(num_v_heads, dk, dv)
+        qh, kh = _prepare_qk(q[start:end], k[start:end], num_v_heads, scale, use_qk_l2norm)
+        o, state = _delta_rule_chunked(qh, kh, v[start:end].float(), g[start:end].float(), beta[start:end].float(), state)
+        out[start:end] = o.to(out.dtype)
+        if slot >= 0:
+            states[slot] = state
+    return out
+
+
+def gated_delta_rule_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    states: Tensor,
+    state_indices: Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    out: Tensor | None = None,
+) -> Tensor:
+    """One token per sequence: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv] -> out [B, Hv, Dv].
+
+    The recurrence itself: S' = e^g S; u = beta (v - S'^T k); S = S' + k u^T; o = S^T q.
+    """
+    num_v_heads, dk = v.shape[1], q.shape[-1]
+    scale = dk**-0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    qh, kh = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)  # [B, Hv, Dk]
+    for b in range(q.shape[0]):
+        slot = int(state_indices[b])
+        state = states[slot].float() if slot >= 0 else torch.zeros(num_v_heads, dk, v.shape[-1])
+        state = g[b].float().exp()[:, None, None] * state
+        u = beta[b].float()[:, None] * (v[b].float() - torch.einsum("hkv,hk->hv", state, kh[b]))
+        state = state + kh[b][:, :, None] * u[:, None, :]
+        out[b] = torch.einsum("hkv,hk->hv", state, qh[b]).to(out.dtype)
+        if slot >= 0:
+            states[slot] = state
+    return out
+
+
+# ---- paged KV cache -----------------------------------------------------------------------------
+def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:
+    """key, value [N, Hkv, D] -> written at slot_mapping[t] (block * block_size + offset; < 0 skipped)."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    key_cache.view(-1, *key_cache.shape[2:])[slots[keep]] = key[keep]
+    value_cache.view(-1, *value_cache.shape[2:])[slots[keep]] = value[keep]
+
+
+def gather_context(cache: Tensor, block_table: Tensor, context_len: int) -> Tensor:
+    """The first context_len cached rows of one sequence: [context_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    positions = torch.arange(context_len)
+    blocks = block_table.long()[positions // block_size]
+    return cache[blocks, positions % block_size]
+
+
+def paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    cu_seqlens_q: Tensor,
+    context_lens: Tensor,
+    block_tables: Tensor,
+    *,
+    scale: float | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """query [N, Hq, D], caches [num_blocks, block_size, Hkv, D], cu_seqlens_q [B+1], context_lens [B],
+    block_tables [B, max_blocks] -> out [N, Hq, D]. Query i of a sequence with L queries and context C
+    attends keys [0, C - L + i]; query head h reads KV head h // (Hq/Hkv)."""
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_q_heads // key_cache.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty_like(query)
+    for b, (start, end) in enumerate(_sequences(cu_seqlens_q)):
+        q_len, ctx = end - start, int(context_lens[b])
+        if q_len == 0:
+            continue
+        keys = gather_context(key_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
+        values = gather_context(value_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[start:end].float() * scale, keys)
+        allowed = torch.arange(ctx)[None, :] <= (ctx - q_len + torch.arange(q_len))[:, None]
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+    return out

@@ -1,0 +1,31 @@
+// Host entries of every op, as registered in bindings.cpp. Each checks its arguments (shape, dtype,
+// device, layout) with messages a user can act on, then runs the CPU or CUDA implementation.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace clef {
+
+void causal_conv1d_fwd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       at::Tensor& conv_states, const at::Tensor& cu_seqlens, const at::Tensor& state_indices,
+                       const at::Tensor& has_initial_state, bool silu, at::Tensor& out);
+void causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          at::Tensor& conv_states, const at::Tensor& state_indices, bool silu, at::Tensor& out);
+
+void gated_delta_rule_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, at::Tensor& states, const at::Tensor& cu_seqlens,
+                            const at::Tensor& state_indices, const at::Tensor& has_initial_state, double scale,
+                            bool use_qk_l2norm, at::Tensor& out);
+void gated_delta_rule_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                const at::Tensor& beta, at::Tensor& states, const at::Tensor& state_indices,
+                                double scale, bool use_qk_l2norm, at::Tensor& out);
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                       const at::Tensor& slot_mapping);
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
+                     double scale, at::Tensor& out);
+
+}  // namespace clef

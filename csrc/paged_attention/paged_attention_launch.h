@@ -1,0 +1,19 @@
+// Torch-free entry points of the paged attention family (see conv1d_launch.h for the conventions).
+#pragma once
+
+#include "paged_attention/paged_attention.h"
+
+namespace clef {
+
+const char* reshape_and_cache_cuda(const CacheWriteParams& p, ScalarKind kind, void* stream);
+void reshape_and_cache_cpu(const CacheWriteParams& p, ScalarKind kind);
+const char* paged_attention_cuda(const PagedAttentionParams& p, ScalarKind kind, void* stream);
+void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind);
+
+constexpr bool paged_attention_cuda_supports_head_dim(int head_dim) {
+  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+// Query heads per KV head must divide the CTA's 16 rows (clef-flash: 16 / 4 = 4).
+constexpr bool paged_attention_cuda_supports_group(int group) { return group >= 1 && group <= 16 && 16 % group == 0; }
+
+}  // namespace clef

@@ -1,0 +1,204 @@
+// Test-only CUDA simulator: runs the project's CUDA kernels and launchers, unmodified, on the CPU.
+//
+// Each CUDA thread of a block is a real std::thread; blocks run one after another. __syncthreads and
+// the warp shuffles are real barriers, so the kernels' thread mapping, shared-memory tiling and
+// synchronisation are what the tests exercise; a barrier that not every thread reaches is reported as a
+// deadlock instead of hanging. Dynamic shared memory is NaN-poisoned per block, so reading a slot no
+// thread wrote shows up in the results. This is not a product code path: tests/cuda_sim/build.py
+// compiles it into a separate module whose ops live in torch.ops.clef_sim.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+// ---- the CUDA surface the kernels and launchers use -----------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static  // blocks run one at a time, so one copy per kernel instantiation suffices
+
+using __half = c10::Half;
+using __nv_bfloat16 = c10::BFloat16;
+
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint3 {
+  unsigned x, y, z;
+};
+
+using cudaStream_t = void*;
+enum cudaError_t { cudaSuccess = 0 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+
+namespace clef_sim {
+
+// Largest dynamic shared memory a kernel may use on the oldest supported GPU (sm_70 opt-in limit).
+constexpr int kMaxDynamicSmemBytes = 96 * 1024;
+constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
+
+class Barrier {
+ public:
+  explicit Barrier(int participants) : participants_(participants) {}
+  void arrive_and_wait(const char* what) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (broken_) throw std::runtime_error("simulated CUDA: block aborted");
+    const uint64_t generation = generation_;
+    if (++arrived_ == participants_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    const bool released = cv_.wait_for(lock, std::chrono::seconds(30), [&] { return generation_ != generation || broken_; });
+    if (!released) {
+      broken_ = true;
+      cv_.notify_all();
+      throw std::runtime_error(std::string("simulated CUDA deadlock: not every thread reached ") + what);
+    }
+    if (broken_) throw std::runtime_error("simulated CUDA: block aborted");
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    broken_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int participants_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool broken_ = false;
+};
+
+struct Warp {
+  Barrier barrier{32};
+  uint64_t lanes[32];
+};
+
+struct Block {
+  explicit Block(int threads, size_t smem_bytes) : sync(threads), dynamic_smem((smem_bytes + 7) / 8) {
+    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(std::make_unique<Warp>());
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    float* f = reinterpret_cast<float*>(dynamic_smem.data());
+    for (size_t i = 0; i < dynamic_smem.size() * 2; ++i) f[i] = nan;
+  }
+  Barrier sync;
+  std::vector<std::unique_ptr<Warp>> warps;
+  std::vector<uint64_t> dynamic_smem;  // uint64_t: 8-byte alignment for int64 tiles
+};
+
+inline thread_local Block* current_block = nullptr;
+inline thread_local int current_thread = 0;
+
+}  // namespace clef_sim
+
+inline thread_local uint3 threadIdx;
+inline thread_local uint3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+
+inline void __syncthreads() { clef_sim::current_block->sync.arrive_and_wait("__syncthreads"); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
+  static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+  if (mask != 0xffffffffu) throw std::runtime_error("simulated CUDA: only full-warp shuffles are modelled");
+  clef_sim::Warp& warp = *clef_sim::current_block->warps[clef_sim::current_thread / 32];
+  const int lane = clef_sim::current_thread % 32;
+  std::memcpy(&warp.lanes[lane], &value, sizeof(T));
+  warp.barrier.arrive_and_wait("__shfl_xor_sync (write)");
+  int source = lane ^ lane_mask;
+  if (source / width != lane / width) source = lane;  // CUDA: outside the segment, a lane reads itself
+  T result;
+  std::memcpy(&result, &warp.lanes[source], sizeof(T));
+  warp.barrier.arrive_and_wait("__shfl_xor_sync (read)");
+  return result;
+}
+
+template <typename Kernel>
+inline cudaError_t cudaFuncSetAttribute(Kernel*, cudaFuncAttribute, int value) {
+  if (value > clef_sim::kMaxDynamicSmemBytes)
+    throw std::runtime_error("simulated CUDA: a kernel asks for " + std::to_string(value) +
+                             " bytes of dynamic shared memory, more than sm_70 allows");
+  return cudaSuccess;
+}
+
+#define CLEF_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(clef_sim::current_block->dynamic_smem.data())
+
+namespace clef_sim {
+
+template <typename... Params>
+class Launch {
+ public:
+  Launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem) : kernel_(kernel), grid_(grid), block_(block), smem_(smem) {}
+
+  template <typename... Args>
+  void operator()(Args&&... args) const {
+    const int threads = static_cast<int>(block_.x * block_.y * block_.z);
+    if (threads <= 0 || threads % 32 != 0 || threads > 1024)
+      throw std::runtime_error("simulated CUDA: block size must be a positive multiple of 32 up to 1024");
+    if (smem_ > static_cast<size_t>(kMaxDynamicSmemBytes)) throw std::runtime_error("simulated CUDA: too much dynamic shared memory");
+    if (grid_.y > 65535 || grid_.z > 65535) throw std::runtime_error("simulated CUDA: grid.y/grid.z above 65535");
+    blockDim = block_;
+    gridDim = grid_;
+    for (unsigned bz = 0; bz < grid_.z; ++bz)
+      for (unsigned by = 0; by < grid_.y; ++by)
+        for (unsigned bx = 0; bx < grid_.x; ++bx) run_block(uint3{bx, by, bz}, threads, args...);
+  }
+
+ private:
+  template <typename... Args>
+  void run_block(uint3 block_index, int threads, const Args&... args) const {
+    Block block(threads, smem_);
+    std::vector<std::thread> workers;
+    std::vector<std::exception_ptr> errors(threads);
+    workers.reserve(threads);
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&, t] {
+        current_block = &block;
+        current_thread = t;
+        threadIdx = uint3{t % block_.x, (t / block_.x) % block_.y, t / (block_.x * block_.y)};
+        blockIdx = block_index;
+        try {
+          kernel_(args...);
+        } catch (...) {
+          errors[t] = std::current_exception();
+          block.sync.abort();
+          for (auto& w : block.warps) w->barrier.abort();
+        }
+      });
+    }
+    for (auto& w : workers) w.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+  }
+
+  void (*kernel_)(Params...);
+  dim3 grid_, block_;
+  size_t smem_;
+};
+
+}  // namespace clef_sim
+
+#define CLEF_LAUNCH(kernel, grid, block, smem_bytes, stream) clef_sim::Launch(kernel, dim3(grid), dim3(block), smem_bytes)
