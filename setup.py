@@ -114,7 +114,10 @@ def extension_modules():
         sources += [f"csrc/{family}/{family}_ops.cpp", f"csrc/{family}/{family}_cpu.cpp"]
     cxx_flags = ["-O3", "-fopenmp-simd"]
     if not use_cuda:
-        print(f"clef_cuda: building the CPU-only extension (CLEF_CUDA_BUILD={mode}, torch CUDA={torch_cuda}, nvcc home={cuda_home})")
+        print(
+            f"clef_cuda: building the CPU-only extension (CLEF_CUDA_BUILD={mode}, torch CUDA={torch_cuda}, "
+            f"nvcc home={cuda_home})"
+        )
         return [CppExtension("clef_cuda._C", sources, include_dirs=[str(csrc)], extra_compile_args={"cxx": cxx_flags})]
 
     version, supported = nvcc_info(cuda_home)
@@ -139,8 +142,10 @@ def build_ext_class():
     return BuildExtension.with_options(use_ninja=True)
 
 
-setup(
-    packages=find_packages(include=["clef_cuda", "clef_cuda.*"]),
-    ext_modules=extension_modules(),
-    cmdclass={"build_ext": build_ext_class()},
-)
+# pip's build backend executes this file as __main__; tests import it to check the build decisions.
+if __name__ == "__main__":
+    setup(
+        packages=find_packages(include=["clef_cuda", "clef_cuda.*"]),
+        ext_modules=extension_modules(),
+        cmdclass={"build_ext": build_ext_class()},
+    )

@@ -77,9 +77,7 @@ def causal_conv1d_update(
     batch = x.shape[0]
     cu_seqlens = torch.arange(batch + 1, dtype=torch.int32)
     has_initial = torch.ones(batch, dtype=torch.bool)
-    return causal_conv1d_fwd(
-        x, weight, bias, conv_states, cu_seqlens, state_indices, has_initial, silu=silu, out=out
-    )
+    return causal_conv1d_fwd(x, weight, bias, conv_states, cu_seqlens, state_indices, has_initial, silu=silu, out=out)
 
 
 # ---- gated delta rule ---------------------------------------------------------------------------
@@ -96,7 +94,9 @@ def _prepare_qk(q: Tensor, k: Tensor, num_v_heads: int, scale: float, use_qk_l2n
     return (q * scale).repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
 
 
-def _delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+def _delta_rule_chunked(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
     """One sequence, all heads: q, k [L, H, Dk], v [L, H, Dv], g, beta [L, H], state [H, Dk, Dv] (fp32).
 
     Within a chunk with cumulative log decay G_t, the deltas U solve (I + A) U = beta (V - e^G K S0),
@@ -155,7 +155,9 @@ def gated_delta_rule_chunk(
         else:
             state = torch.zeros(num_v_heads, dk, dv)
         qh, kh = _prepare_qk(q[start:end], k[start:end], num_v_heads, scale, use_qk_l2norm)
-        o, state = _delta_rule_chunked(qh, kh, v[start:end].float(), g[start:end].float(), beta[start:end].float(), state)
+        o, state = _delta_rule_chunked(
+            qh, kh, v[start:end].float(), g[start:end].float(), beta[start:end].float(), state
+        )
         out[start:end] = o.to(out.dtype)
         if slot >= 0:
             states[slot] = state

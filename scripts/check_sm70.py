@@ -141,7 +141,10 @@ def main() -> int:
     includes = [nvidia / "cuda_runtime" / "include", nvidia / "cuda_nvcc" / "include", nvidia / "cuda_cccl" / "include"]
     missing = [str(i) for i in includes if not i.exists()]
     if missing:
-        print(f"check_sm70: missing header dirs {missing}: install nvidia-cuda-{{runtime,nvcc,cccl}}-cu12==12.9.*", file=sys.stderr)
+        print(
+            f"check_sm70: missing header dirs {missing}: install nvidia-cuda-{{runtime,nvcc,cccl}}-cu12==12.9.*",
+            file=sys.stderr,
+        )
         return 1
     nvrtc = Nvrtc(nvidia / "cuda_nvrtc" / "lib" / "libnvrtc.so.12")
     options = [f"--gpu-architecture={args.arch}", "-std=c++17", "--ptxas-options=-v", f"-I{ROOT / 'csrc'}"]
@@ -152,7 +155,10 @@ def main() -> int:
     for family, (header, launcher, instantiations, sizes) in FAMILIES.items():
         dispatched = launcher_sizes(ROOT / "csrc" / launcher)
         if not dispatched <= set(sizes):
-            print(f"FAIL {family}: {launcher} dispatches sizes {sorted(dispatched - set(sizes))} this check does not compile")
+            print(
+                f"FAIL {family}: {launcher} dispatches sizes {sorted(dispatched - set(sizes))} "
+                "that this check does not compile"
+            )
             failures += 1
         source = f'#include "{header}"\n' + "\n".join(instantiations) + "\n"
         ok, log, cubin = nvrtc.compile(source, f"{family}_{args.arch}.cu", options)

@@ -1,0 +1,103 @@
+"""Shared fixtures: the op backends under test and the upstream oracles.
+
+Backends: ``cpu`` (clef_cuda._C on CPU tensors), ``cuda`` (clef_cuda._C on the GPU, where one exists and
+the extension was built with CUDA) and ``sim`` (the same CUDA kernels and launchers, run on the CPU by the
+test-only simulator in tests/cuda_sim; small shapes only, every CUDA thread is an OS thread).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FLA_NAIVE = ROOT / ".oracles" / "fla" / "fla" / "ops" / "gated_delta_rule" / "naive.py"
+
+
+@dataclass
+class Backend:
+    name: str
+    ops: object  # clef_cuda.ops.OpLibrary
+    device: torch.device
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def cuda_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    import clef_cuda
+
+    return clef_cuda.build_info()["variant"] == "cuda"
+
+
+@pytest.fixture(scope="session")
+def sim_ops():
+    sys.path.insert(0, str(ROOT / "tests" / "cuda_sim"))
+    from build import load_cuda_sim
+
+    return load_cuda_sim()
+
+
+BACKENDS = ["cpu", "sim"] + (["cuda"] if cuda_available() else [])
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> Backend:
+    from clef_cuda import ops
+
+    if request.param == "cpu":
+        return Backend("cpu", ops._default, torch.device("cpu"))
+    if request.param == "cuda":
+        return Backend("cuda", ops._default, torch.device("cuda"))
+    return Backend("sim", request.getfixturevalue("sim_ops"), torch.device("cpu"))
+
+
+@pytest.fixture(params=[b for b in BACKENDS if b != "sim"])
+def fast_backend(request) -> Backend:
+    """Backends that can take full-size shapes (the simulator cannot)."""
+    from clef_cuda import ops
+
+    return Backend(request.param, ops._default, torch.device(request.param))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def load_fla_naive():
+    """FLA's naive.py, loaded by file path (importing the fla package would make transformers route its
+    Qwen3.5 fallbacks to FLA's Triton kernels, which do not run on the CPU)."""
+    if not FLA_NAIVE.exists():
+        pytest.fail(
+            f"FLA oracle missing at {FLA_NAIVE}; install it with "
+            "`pip install --no-deps --target .oracles/fla fla-core==0.6.0` (.ci/run does)"
+        )
+    spec = importlib.util.spec_from_file_location("fla_naive_oracle", FLA_NAIVE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def qwen35_module():
+    """transformers' Qwen3.5 modelling code, checked to be using its pure-torch fallbacks."""
+    if importlib.util.find_spec("fla") is not None or importlib.util.find_spec("causal_conv1d") is not None:
+        pytest.fail("fla or causal_conv1d is importable: transformers would not use its torch fallbacks as oracles")
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return modeling_qwen3_5

@@ -1,0 +1,87 @@
+"""setup.py's build decisions: which archs, CPU or CUDA, and the messages when it cannot comply."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def setup_module(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.delenv("CLEF_CUDA_BUILD", raising=False)
+    spec = importlib.util.spec_from_file_location("clef_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # __name__ != "__main__": defines the functions, builds nothing
+    return module
+
+
+NVCC13 = {"7.5", "8.0", "8.6", "8.7", "8.9", "9.0", "10.0", "12.0"}
+NVCC12 = NVCC13 | {"7.0", "7.2"}
+
+
+def test_default_archs_drop_what_nvcc_cannot_target(setup_module, capsys):
+    assert setup_module.choose_archs("13.0", NVCC13) == ["7.5", "8.0", "9.0"]
+    printed = capsys.readouterr().out
+    assert "dropping sm_70: nvcc 13.0 cannot target it" in printed
+    assert "CUDA 12.x" in printed
+
+
+def test_default_archs_with_a_cuda12_toolchain_include_v100(setup_module):
+    assert setup_module.choose_archs("12.9", NVCC12) == ["7.0", "7.5", "8.0", "9.0"]
+
+
+def test_torch_cuda_arch_list_is_respected(setup_module, monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    assert setup_module.choose_archs("13.0", NVCC13) == ["8.0", "9.0+PTX"]
+
+
+def test_an_arch_nvcc_cannot_target_fails_with_the_fix(setup_module, monkeypatch, capsys):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.0")
+    with pytest.raises(SystemExit):
+        setup_module.choose_archs("13.0", NVCC13)
+    err = capsys.readouterr().err
+    assert "asks for 7.0, which nvcc 13.0 cannot target" in err
+    assert "CUDA 12.x" in err
+
+
+def test_forcing_cuda_without_a_toolchain_says_what_is_missing(setup_module, monkeypatch, capsys):
+    monkeypatch.setenv("CLEF_CUDA_BUILD", "cuda")
+    monkeypatch.setattr(setup_module, "find_cuda_home", lambda: None)
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(SystemExit):
+        setup_module.extension_modules()
+    err = capsys.readouterr().err
+    assert "CPU-only build" in err and "no nvcc was found" in err
+
+
+def test_forcing_cpu_builds_the_cpu_extension(setup_module, monkeypatch):
+    monkeypatch.setenv("CLEF_CUDA_BUILD", "cpu")
+    (ext,) = setup_module.extension_modules()
+    assert ext.name == "clef_cuda._C"
+    assert not any(src.endswith(".cu") for src in ext.sources)
+
+
+def test_unknown_build_mode_is_rejected(setup_module, monkeypatch, capsys):
+    monkeypatch.setenv("CLEF_CUDA_BUILD", "gpu")
+    with pytest.raises(SystemExit):
+        setup_module.extension_modules()
+    assert "must be auto, cuda or cpu" in capsys.readouterr().err
+
+
+def test_local_nvcc_is_read_correctly(setup_module):
+    home = setup_module.find_cuda_home()
+    if home is None:
+        pytest.skip("no nvcc on this machine")  # CI has nvcc 13 at /usr/local/cuda
+    version, archs = setup_module.nvcc_info(home)
+    assert version[0].isdigit() and "9.0" in archs
+    if float(version) >= 13:
+        assert "7.0" not in archs
+    assert os.path.exists(Path(home, "bin", "nvcc"))
