@@ -112,13 +112,24 @@ def extension_modules():
     sources = ["csrc/bindings.cpp"]
     for family in families:
         sources += [f"csrc/{family}/{family}_ops.cpp", f"csrc/{family}/{family}_cpu.cpp"]
-    cxx_flags = ["-O3", "-fopenmp-simd"]
+    # -fopenmp: at::parallel_for is a header template that only runs in parallel when the including file
+    # is compiled with OpenMP (it then shares torch's own libgomp thread pool).
+    cxx_flags = ["-O3", "-fopenmp", "-Wno-psabi"]
+    link_flags = ["-fopenmp"]
     if not use_cuda:
         print(
             f"clef_cuda: building the CPU-only extension (CLEF_CUDA_BUILD={mode}, torch CUDA={torch_cuda}, "
             f"nvcc home={cuda_home})"
         )
-        return [CppExtension("clef_cuda._C", sources, include_dirs=[str(csrc)], extra_compile_args={"cxx": cxx_flags})]
+        return [
+            CppExtension(
+                "clef_cuda._C",
+                sources,
+                include_dirs=[str(csrc)],
+                extra_compile_args={"cxx": cxx_flags},
+                extra_link_args=link_flags,
+            )
+        ]
 
     version, supported = nvcc_info(cuda_home)
     archs = choose_archs(version, supported)
@@ -132,6 +143,7 @@ def extension_modules():
             sources,
             include_dirs=[str(csrc)],
             extra_compile_args={"cxx": cxx_flags + defines, "nvcc": ["-O3", "-lineinfo"] + defines},
+            extra_link_args=link_flags,
         )
     ]
 

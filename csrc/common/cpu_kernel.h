@@ -16,6 +16,14 @@
 
 namespace clef {
 
+// 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones. aligned(4) lets it load from any float
+// address. Used where the compiler's auto-vectoriser would not keep accumulators in registers.
+typedef float vf16 __attribute__((vector_size(64), aligned(4)));
+constexpr int kLanes = 16;
+
+CLEF_INLINE vf16 load_vf16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
+CLEF_INLINE void store_vf16(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }
+
 // exp for the CPU hot loops: libm's expf does not vectorise without -ffast-math, this does.
 // Cephes' single-precision scheme (range reduction by ln2 split in two, degree-6 polynomial): ~1 ulp on
 // the clamped range, which covers every value the callers feed it (softmax args <= 0, SiLU args).
@@ -39,5 +47,48 @@ CLEF_INLINE float exp_vec(float x) {
 }
 
 CLEF_INLINE float silu_vec(float x) { return x / (1.0f + exp_vec(-x)); }
+
+// exp_vec on 16 lanes, branch-free: the same clamp, reduction and polynomial, rounding n to nearest with
+// the 1.5 * 2^23 trick (exact for |x log2 e| < 2^22, which the clamp guarantees).
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+CLEF_INLINE vf16 broadcast(float x) { return vf16{} + x; }
+CLEF_INLINE vf16 exp_vf16(vf16 x) {
+  const vf16 lo = broadcast(-87.33654f), hi = broadcast(88.0f), magic = broadcast(12582912.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf16 n = (x * 1.44269504088896341f + magic) - magic;
+  vf16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf16 poly = broadcast(1.9875691500e-4f);
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  const vf16 y = poly * r * r + r + 1.0f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return y * reinterpret_cast<const vf16&>(bits);
+}
+CLEF_INLINE vf16 silu_vf16(vf16 x) { return x / (1.0f + exp_vf16(-x)); }
+
+// 16 values of any storage type to/from fp32 lanes (the conversion loops vectorise: F16C, shifts).
+template <typename T>
+CLEF_INLINE vf16 load_as_vf16(const T* p) {
+  vf16 v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+template <>
+CLEF_INLINE vf16 load_as_vf16<float>(const float* p) {
+  return load_vf16(p);
+}
+template <typename T>
+CLEF_INLINE void store_from_vf16(T* p, vf16 v) {
+  for (int i = 0; i < kLanes; ++i) p[i] = T(v[i]);
+}
+template <>
+CLEF_INLINE void store_from_vf16<float>(float* p, vf16 v) {
+  store_vf16(p, v);
+}
 
 }  // namespace clef

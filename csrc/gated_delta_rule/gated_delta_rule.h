@@ -99,15 +99,18 @@ CLEF_HD float gdr_query_factor(float sum_squares, bool l2norm, float scale) {
   return gdr_key_factor(sum_squares, l2norm) * scale;
 }
 
-// One token's update of one state column j, given the column's dot products with the (normalised)
-// key and query, sk = S[:, j] . k and sq = S[:, j] . q, taken *before* this token's decay:
+// One token's update of state column j, given the column's dot products with the (normalised) key and
+// query, sk = S[:, j] . k and sq = S[:, j] . q, taken *before* this token's decay:
 //   u = beta (v - decay sk),   o = S_new[:, j] . q = decay sq + u (k . q)
+// V is float on the GPU (a thread per column) and a vector of columns on the CPU.
+template <typename V>
 struct GdrColumnStep {
-  float u;  // the delta written into the column: S_new[:, j] = decay S[:, j] + k u
-  float o;  // the output o_t[j]
+  V u;  // the delta written into the column: S_new[:, j] = decay S[:, j] + k u
+  V o;  // the output o_t[j]
 };
-CLEF_HD GdrColumnStep gdr_column_step(float sk, float sq, float v, float decay, float beta, float kq) {
-  GdrColumnStep r;
+template <typename V>
+CLEF_HD GdrColumnStep<V> gdr_column_step(V sk, V sq, V v, float decay, float beta, float kq) {
+  GdrColumnStep<V> r;
   r.u = beta * (v - decay * sk);
   r.o = decay * sq + r.u * kq;
   return r;

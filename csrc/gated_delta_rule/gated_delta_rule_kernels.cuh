@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kGdrThreads) gated_delta_rule_kernel(GatedDelt
         col_k += red_k[buf][r][j];
         col_q += red_q[buf][r][j];
       }
-      const GdrColumnStep step = gdr_column_step(col_k, col_q, v_s[tt][j], decay_s[tt], beta_s[tt], kq_s[tt]);
+      const GdrColumnStep<float> step = gdr_column_step(col_k, col_q, v_s[tt][j], decay_s[tt], beta_s[tt], kq_s[tt]);
       if (rg == 0) out[gdr_out_offset(s.start + t0 + tt, hv, p) + col] = from_f32<T>(step.o);
 #pragma unroll
       for (int m = 0; m < R; ++m) S[m] = decay_s[tt] * S[m] + k_s[tt][rg * R + m] * step.u;

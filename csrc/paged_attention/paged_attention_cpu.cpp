@@ -2,8 +2,9 @@
 //
 // paged_attention: parallel over (sequence, KV head, block of query tokens). A work item's rows are its
 // tokens x the query heads of the group, so every key tile gathered from the pages serves all of them.
-// Keys are gathered 64 at a time into fp32 tiles (K transposed), then both products (scores = Q K^T and
-// out += P V) run through one register-blocked 4 x 64 micro-kernel; the softmax is online, per row.
+// Each sequence's context is first gathered from the pages into fp32 tiles of 64 keys (K transposed);
+// then both products (scores = Q K^T and out += P V) run through one register-blocked 4 x 64
+// micro-kernel, with an online softmax per row in between.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -17,12 +18,8 @@
 namespace clef {
 namespace {
 
-// 16 floats: one AVX-512 register, two AVX2 ones; aligned(4) allows loads from any float address.
-typedef float vf16 __attribute__((vector_size(64), aligned(4)));
-
 constexpr int kKeyTile = 64;
 constexpr int kRowBlock = 4;
-constexpr int kLanes = 16;
 
 CLEF_INLINE int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -31,17 +28,17 @@ template <int NV>
 CLEF_INLINE void micro_kernel(const float* A, int64_t lda, const float* B, int64_t ldb, int K, float* C, int64_t ldc) {
   vf16 acc[kRowBlock][NV];
   for (int r = 0; r < kRowBlock; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = *reinterpret_cast<const vf16*>(C + r * ldc + kLanes * v);
+    for (int v = 0; v < NV; ++v) acc[r][v] = load_vf16(C + r * ldc + kLanes * v);
   for (int k = 0; k < K; ++k) {
     vf16 b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = *reinterpret_cast<const vf16*>(B + k * ldb + kLanes * v);
+    for (int v = 0; v < NV; ++v) b[v] = load_vf16(B + k * ldb + kLanes * v);
     for (int r = 0; r < kRowBlock; ++r) {
       const float a = A[r * lda + k];
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int r = 0; r < kRowBlock; ++r)
-    for (int v = 0; v < NV; ++v) *reinterpret_cast<vf16*>(C + r * ldc + kLanes * v) = acc[r][v];
+    for (int v = 0; v < NV; ++v) store_vf16(C + r * ldc + kLanes * v, acc[r][v]);
 }
 
 // C[rows][cols] += A[rows][K] * B[K][cols]; rows % 4 == 0, cols % 16 == 0 (callers pad with zeros).
@@ -54,14 +51,72 @@ CLEF_INLINE void gemm_acc(const float* A, int64_t lda, const float* B, int64_t l
   }
 }
 
-struct AttnScratch {
-  std::vector<float> q, kt, v, scores, out, m, l;
-  std::vector<int> pos;
+// Each (sequence, KV head)'s context, gathered once from the pages into fp32 tiles of kKeyTile keys:
+// K transposed ([Dp][kKeyTile], so scores vectorise over keys) followed by V ([kKeyTile][Dp]). Every query
+// block of that sequence and head then reads contiguous, L2-friendly memory instead of re-gathering.
+struct GatheredContexts {
+  int Dp = 0;
+  std::vector<int64_t> base;     // [batch * Hkv]: first float of each (sequence, head) region
+  std::vector<int64_t> ok_base;  // [batch * Hkv]: first flag of each region in key_ok
+  std::vector<float> data;
+  std::vector<int32_t> key_ok;   // per gathered key: 1 when its page is inside the cache (-1 lanes: never)
+
+  int64_t tile_floats() const { return 2LL * Dp * kKeyTile; }
+  const float* kt(int region, int tile) const { return data.data() + base[region] + tile * tile_floats(); }
+  const float* v(int region, int tile) const { return kt(region, tile) + static_cast<int64_t>(Dp) * kKeyTile; }
 };
 
 template <typename T>
+CLEF_INLINE void gather_tile(const PagedAttentionParams& p, int b, int kv_head, int tile, int context_len,
+                             GatheredContexts& g) {
+  const int region = b * p.num_kv_heads + kv_head;
+  const int D = p.head_dim, Dp = g.Dp;
+  float* kt = g.data.data() + g.base[region] + tile * g.tile_floats();
+  float* v = kt + static_cast<int64_t>(Dp) * kKeyTile;
+  int32_t* ok = g.key_ok.data() + g.ok_base[region] + tile * kKeyTile;
+  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const T* value_cache = static_cast<const T*>(p.value_cache);
+  std::fill(kt, kt + g.tile_floats(), 0.0f);
+  const int k0 = tile * kKeyTile;
+  // Consecutive keys of one head are Hkv * D elements apart (a page apart for clef-flash): prefetch ahead.
+  constexpr int kAhead = 4;
+  for (int kk = 0; kk < kKeyTile; ++kk) {
+    const int pos = k0 + kk;
+    if (pos + kAhead < context_len && kk + kAhead < kKeyTile) {
+      const int64_t ahead = paged_key_offset(p, b, pos + kAhead, kv_head);
+      if (ahead >= 0)
+        for (int off = 0; off < D * static_cast<int>(sizeof(T)); off += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(key_cache + ahead) + off);
+          __builtin_prefetch(reinterpret_cast<const char*>(value_cache + ahead) + off);
+        }
+    }
+    const int64_t off = pos < context_len ? paged_key_offset(p, b, pos, kv_head) : -1;
+    ok[kk] = off >= 0 ? -1 : 0;
+    if (off < 0) continue;
+    const T* ksrc = key_cache + off;
+    const T* vsrc = value_cache + off;
+    float* vrow = v + static_cast<int64_t>(kk) * Dp;
+    for (int d = 0; d < D; ++d) {
+      kt[static_cast<int64_t>(d) * kKeyTile + kk] = to_f32(ksrc[d]);
+      vrow[d] = to_f32(vsrc[d]);
+    }
+  }
+}
+
+struct AttnScratch {
+  std::vector<float> q, scores, out, m, l;
+  std::vector<int> pos;
+};
+
+CLEF_INLINE float hmax(vf16 v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+template <typename T>
 CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_head, int q0, int block_tokens,
-                                 AttnScratch& w) {
+                                 const GatheredContexts& g, AttnScratch& w) {
   const AttnSeq s = attn_sequence(p, b);
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tokens = std::min(block_tokens, s.q_len - q0);
@@ -69,15 +124,12 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
   const int rows = tokens * group;
   const int rows_p = round_up(rows, kRowBlock);
   const int D = p.head_dim;
-  const int Dp = round_up(D, kLanes);
+  const int Dp = g.Dp;
+  const int region = b * p.num_kv_heads + kv_head;
   const T* query = static_cast<const T*>(p.query);
-  const T* key_cache = static_cast<const T*>(p.key_cache);
-  const T* value_cache = static_cast<const T*>(p.value_cache);
 
   w.q.assign(static_cast<size_t>(rows_p) * Dp, 0.0f);
   w.out.assign(static_cast<size_t>(rows_p) * Dp, 0.0f);
-  w.kt.resize(static_cast<size_t>(Dp) * kKeyTile);
-  w.v.resize(static_cast<size_t>(kKeyTile) * Dp);
   w.scores.resize(static_cast<size_t>(rows_p) * kKeyTile);
   w.m.assign(rows, kNegInf);
   w.l.assign(rows, 0.0f);
@@ -89,47 +141,42 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
     for (int d = 0; d < D; ++d) w.q[static_cast<size_t>(r) * Dp + d] = to_f32(src[d]) * p.scale;
     w.pos[r] = attn_query_position(s, qi);
   }
+  vi16 lane;
+  for (int i = 0; i < kLanes; ++i) lane[i] = i;
   const int kv_end = attn_query_position(s, q0 + tokens - 1) + 1;
   for (int k0 = 0; k0 < kv_end; k0 += kKeyTile) {
+    const int tile = k0 / kKeyTile;
     const int nk = std::min(kKeyTile, kv_end - k0);
-    bool key_ok[kKeyTile];
-    std::fill(w.kt.begin(), w.kt.end(), 0.0f);
-    for (int kk = 0; kk < kKeyTile; ++kk) {
-      const int64_t off = kk < nk ? paged_key_offset(p, b, k0 + kk, kv_head) : -1;
-      key_ok[kk] = off >= 0;
-      float* vrow = w.v.data() + static_cast<size_t>(kk) * Dp;
-      std::fill(vrow, vrow + Dp, 0.0f);
-      if (off < 0) continue;
-      for (int d = 0; d < D; ++d) {
-        w.kt[static_cast<size_t>(d) * kKeyTile + kk] = to_f32(key_cache[off + d]);
-        vrow[d] = to_f32(value_cache[off + d]);
-      }
-    }
+    const int32_t* ok = g.key_ok.data() + g.ok_base[region] + tile * kKeyTile;
     std::fill(w.scores.begin(), w.scores.end(), 0.0f);
-    gemm_acc(w.q.data(), Dp, w.kt.data(), kKeyTile, Dp, w.scores.data(), kKeyTile, rows_p, kKeyTile);
+    gemm_acc(w.q.data(), Dp, g.kt(region, tile), kKeyTile, Dp, w.scores.data(), kKeyTile, rows_p, kKeyTile);
     for (int r = 0; r < rows; ++r) {
       float* srow = w.scores.data() + static_cast<size_t>(r) * kKeyTile;
       const int last = w.pos[r] - k0;  // keys kk <= last are causal for this row
-      float tile_max = kNegInf;
-      for (int kk = 0; kk < kKeyTile; ++kk) {
-        const bool live = kk <= last && key_ok[kk];
-        if (live) tile_max = std::max(tile_max, srow[kk]);
+      vi16 live[kKeyTile / kLanes];
+      vf16 tile_max = broadcast(kNegInf);
+      for (int c = 0; c < kKeyTile / kLanes; ++c) {
+        const vi16 kk = lane + c * kLanes;
+        live[c] = (kk <= last) & *reinterpret_cast<const vi16*>(ok + c * kLanes);
+        const vf16 sv = load_vf16(srow + c * kLanes);
+        tile_max = live[c] ? (sv > tile_max ? sv : tile_max) : tile_max;
       }
-      const SoftmaxStep step = softmax_step(w.m[r], tile_max);
-      float sum = 0.0f;
-      for (int kk = 0; kk < kKeyTile; ++kk) {
-        const bool live = kk <= last && key_ok[kk];
-        const float prob = live ? exp_vec(srow[kk] - step.m) : 0.0f;
-        srow[kk] = prob;
+      const SoftmaxStep step = softmax_step(w.m[r], hmax(tile_max));
+      vf16 sum = {};
+      for (int c = 0; c < kKeyTile / kLanes; ++c) {
+        const vf16 prob = live[c] ? exp_vf16(load_vf16(srow + c * kLanes) - step.m) : vf16{};
+        store_vf16(srow + c * kLanes, prob);
         sum += prob;
       }
-      w.l[r] = w.l[r] * step.alpha + sum;
+      float total = 0.0f;
+      for (int i = 0; i < kLanes; ++i) total += sum[i];
+      w.l[r] = w.l[r] * step.alpha + total;
       w.m[r] = step.m;
       float* orow = w.out.data() + static_cast<size_t>(r) * Dp;
       if (step.alpha != 1.0f)
         for (int d = 0; d < Dp; ++d) orow[d] *= step.alpha;
     }
-    gemm_acc(w.scores.data(), kKeyTile, w.v.data(), Dp, nk, w.out.data(), Dp, rows_p, Dp);
+    gemm_acc(w.scores.data(), kKeyTile, g.v(region, tile), Dp, nk, w.out.data(), Dp, rows_p, Dp);
   }
   T* out = static_cast<T*>(p.out);
   for (int r = 0; r < rows; ++r) {
@@ -159,24 +206,58 @@ CLEF_INLINE void cache_write_token(const CacheWriteParams& p, int64_t token) {
 
 }  // namespace
 
-CLEF_CPU_KERNEL void attention_block_f32(const PagedAttentionParams& p, int b, int h, int q0, int n, AttnScratch& w) {
-  attention_block<float>(p, b, h, q0, n, w);
-}
-CLEF_CPU_KERNEL void attention_block_f16(const PagedAttentionParams& p, int b, int h, int q0, int n, AttnScratch& w) {
-  attention_block<c10::Half>(p, b, h, q0, n, w);
-}
-CLEF_CPU_KERNEL void attention_block_bf16(const PagedAttentionParams& p, int b, int h, int q0, int n, AttnScratch& w) {
-  attention_block<c10::BFloat16>(p, b, h, q0, n, w);
-}
+#define CLEF_ATTN_CPU_ENTRIES(suffix, T)                                                                        \
+  CLEF_CPU_KERNEL void gather_tile_##suffix(const PagedAttentionParams& p, int b, int h, int tile, int ctx,       \
+                                            GatheredContexts& g) {                                                \
+    gather_tile<T>(p, b, h, tile, ctx, g);                                                                       \
+  }                                                                                                               \
+  CLEF_CPU_KERNEL void attention_block_##suffix(const PagedAttentionParams& p, int b, int h, int q0, int n,       \
+                                                const GatheredContexts& g, AttnScratch& w) {                      \
+    attention_block<T>(p, b, h, q0, n, g, w);                                                                    \
+  }
+CLEF_ATTN_CPU_ENTRIES(f32, float)
+CLEF_ATTN_CPU_ENTRIES(f16, c10::Half)
+CLEF_ATTN_CPU_ENTRIES(bf16, c10::BFloat16)
 
 void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
-  auto block_fn = kind == ScalarKind::F32   ? attention_block_f32
-                  : kind == ScalarKind::F16 ? attention_block_f16
-                                            : attention_block_bf16;
+  const bool f32 = kind == ScalarKind::F32, f16 = kind == ScalarKind::F16;
+  auto gather_fn = f32 ? gather_tile_f32 : f16 ? gather_tile_f16 : gather_tile_bf16;
+  auto block_fn = f32 ? attention_block_f32 : f16 ? attention_block_f16 : attention_block_bf16;
   const int group = p.num_q_heads / p.num_kv_heads;
-  // About 64 rows per work item: enough to amortise each gathered key tile over many queries.
+
+  // Pass 1: gather each (sequence, KV head)'s context keys, up to its last query's position.
+  GatheredContexts g;
+  g.Dp = round_up(p.head_dim, kLanes);
+  const int regions = p.batch * p.num_kv_heads;
+  g.base.resize(regions);
+  g.ok_base.resize(regions);
+  std::vector<int> needed(p.batch), tile_start(regions + 1, 0);
+  int64_t floats = 0, flags = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const AttnSeq s = attn_sequence(p, b);
+    needed[b] = s.q_len > 0 ? std::max(0, attn_query_position(s, s.q_len - 1) + 1) : 0;
+    const int tiles = (needed[b] + kKeyTile - 1) / kKeyTile;
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      const int region = b * p.num_kv_heads + h;
+      g.base[region] = floats;
+      g.ok_base[region] = flags;
+      tile_start[region + 1] = tile_start[region] + tiles;
+      floats += tiles * g.tile_floats();
+      flags += static_cast<int64_t>(tiles) * kKeyTile;
+    }
+  }
+  g.data.resize(floats);
+  g.key_ok.resize(flags);
+  at::parallel_for(0, tile_start[regions], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int region = static_cast<int>(std::upper_bound(tile_start.begin(), tile_start.end(), i) - tile_start.begin()) - 1;
+      const int b = region / p.num_kv_heads;
+      gather_fn(p, b, region % p.num_kv_heads, static_cast<int>(i - tile_start[region]), needed[b], g);
+    }
+  });
+
+  // Pass 2: attention per (sequence, query block, KV head); about 64 rows per item to amortise each tile.
   const int block_tokens = std::max(1, 64 / group);
-  // Work items: (sequence, query block, kv head), listed per sequence so items stay balanced by length.
   std::vector<int64_t> item_start(p.batch + 1, 0);
   for (int b = 0; b < p.batch; ++b) {
     const AttnSeq s = attn_sequence(p, b);
@@ -193,7 +274,7 @@ void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
       const int64_t local = item - item_start[b];
       const int kv_head = static_cast<int>(local % p.num_kv_heads);
       const int q0 = static_cast<int>(local / p.num_kv_heads) * block_tokens;
-      block_fn(p, b, kv_head, q0, block_tokens, scratch);
+      block_fn(p, b, kv_head, q0, block_tokens, g, scratch);
     }
   });
 }
