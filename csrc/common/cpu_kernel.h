@@ -26,9 +26,11 @@ CLEF_INLINE void store_vf16(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v;
 
 // exp for the CPU hot loops: libm's expf does not vectorise without -ffast-math, this does.
 // Cephes' single-precision scheme (range reduction by ln2 split in two, degree-6 polynomial): ~1 ulp on
-// the clamped range, which covers every value the callers feed it (softmax args <= 0, SiLU args).
+// the clamped range, which covers every value the callers feed it (softmax args <= 0, SiLU args);
+// below -87.3 it returns 0.
 CLEF_INLINE float exp_vec(float x) {
-  x = x < -87.33654f ? -87.33654f : (x > 88.0f ? 88.0f : x);
+  if (x < -87.33654f) return 0.0f;  // below the smallest normal result: underflow to 0, like expf
+  x = x > 88.0f ? 88.0f : x;
   float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -48,12 +50,13 @@ CLEF_INLINE float exp_vec(float x) {
 
 CLEF_INLINE float silu_vec(float x) { return x / (1.0f + exp_vec(-x)); }
 
-// exp_vec on 16 lanes, branch-free: the same clamp, reduction and polynomial, rounding n to nearest with
+// exp_vec on 16 lanes, branch-free: the same clamps, reduction and polynomial, rounding n to nearest with
 // the 1.5 * 2^23 trick (exact for |x log2 e| < 2^22, which the clamp guarantees).
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 CLEF_INLINE vf16 broadcast(float x) { return vf16{} + x; }
 CLEF_INLINE vf16 exp_vf16(vf16 x) {
   const vf16 lo = broadcast(-87.33654f), hi = broadcast(88.0f), magic = broadcast(12582912.0f);
+  const vi16 underflow = x < lo;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   const vf16 n = (x * 1.44269504088896341f + magic) - magic;
@@ -67,7 +70,8 @@ CLEF_INLINE vf16 exp_vf16(vf16 x) {
   poly = poly * r + 5.0000001201e-1f;
   const vf16 y = poly * r * r + r + 1.0f;
   const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  return y * reinterpret_cast<const vf16&>(bits);
+  const vf16 result = y * reinterpret_cast<const vf16&>(bits);
+  return underflow ? vf16{} : result;
 }
 CLEF_INLINE vf16 silu_vf16(vf16 x) { return x / (1.0f + exp_vf16(-x)); }
 

@@ -96,11 +96,15 @@ CLEF_INLINE void gdr_block(const GatedDeltaRuleParams& p, int b, int hv, int c0,
   const int hk = gdr_key_head(hv, p.num_v_heads, p.num_k_heads);
   const int dk = p.head_k_dim;
   const int nc = std::min(kColumnBlock, p.head_v_dim - c0);
-  float* S = state.data();  // [dk][kColumnBlock]: row i = S[i, c0 : c0 + nc], zero-padded
-  for (int i = 0; i < dk; ++i)
-    for (int j = 0; j < kColumnBlock; ++j)
-      S[i * kColumnBlock + j] =
-          (j < nc && s.read_state) ? p.states[gdr_state_offset(s.slot, hv, i, c0 + j, p)] : 0.0f;
+  // A full block of a sequence with a slot is updated in place in the state pool (rows Dv apart); a
+  // partial block (zero-padded to 32 columns) or a sequence without a slot works on the scratch copy.
+  const bool in_place = s.slot >= 0 && nc == kColumnBlock;
+  float* S = in_place ? p.states + gdr_state_offset(s.slot, hv, 0, c0, p) : state.data();
+  const int64_t ld = in_place ? p.head_v_dim : kColumnBlock;
+  if (!in_place || !s.read_state)
+    for (int i = 0; i < dk; ++i)
+      for (int j = 0; j < kColumnBlock; ++j)
+        S[i * ld + j] = (j < nc && s.read_state) ? p.states[gdr_state_offset(s.slot, hv, i, c0 + j, p)] : 0.0f;
   T* out = static_cast<T*>(p.out);
 
   // sk = S^T k_t and sq = S^T q_t for the current token, each in two halves (even / odd rows) so that
@@ -114,8 +118,8 @@ CLEF_INLINE void gdr_block(const GatedDeltaRuleParams& p, int b, int hv, int c0,
     clear();
     for (int i = 0; i + 1 < dk; i += 2) {
       for (int v = 0; v < NV; ++v) {
-        const vf16 r0 = load_vf16(S + i * kColumnBlock + kLanes * v);
-        const vf16 r1 = load_vf16(S + (i + 1) * kColumnBlock + kLanes * v);
+        const vf16 r0 = load_vf16(S + i * ld + kLanes * v);
+        const vf16 r1 = load_vf16(S + (i + 1) * ld + kLanes * v);
         sk_even[v] += r0 * cur.k[i];
         sq_even[v] += r0 * cur.q[i];
         sk_odd[v] += r1 * cur.k[i + 1];
@@ -124,7 +128,7 @@ CLEF_INLINE void gdr_block(const GatedDeltaRuleParams& p, int b, int hv, int c0,
     }
     if (dk % 2)
       for (int v = 0; v < NV; ++v) {
-        const vf16 r = load_vf16(S + (dk - 1) * kColumnBlock + kLanes * v);
+        const vf16 r = load_vf16(S + (dk - 1) * ld + kLanes * v);
         sk_even[v] += r * cur.k[dk - 1];
         sq_even[v] += r * cur.q[dk - 1];
       }
@@ -151,7 +155,7 @@ CLEF_INLINE void gdr_block(const GatedDeltaRuleParams& p, int b, int hv, int c0,
     auto sweep_row = [&](int i, vf16* sk, vf16* sq) {
       const float ki = cur.k[i], nki = nk[i], nqi = nq[i];
       for (int v = 0; v < NV; ++v) {
-        float* row = S + i * kColumnBlock + kLanes * v;
+        float* row = S + i * ld + kLanes * v;
         const vf16 updated = decay * load_vf16(row) + ki * u[v];
         store_vf16(row, updated);
         sk[v] += updated * nki;
@@ -166,9 +170,9 @@ CLEF_INLINE void gdr_block(const GatedDeltaRuleParams& p, int b, int hv, int c0,
     if (i < dk) sweep_row(i, sk_even, sq_even);
     if (more) std::swap(cur, next);
   }
-  if (s.slot >= 0)
+  if (s.slot >= 0 && !in_place)
     for (int i = 0; i < dk; ++i)
-      for (int j = 0; j < nc; ++j) p.states[gdr_state_offset(s.slot, hv, i, c0 + j, p)] = S[i * kColumnBlock + j];
+      for (int j = 0; j < nc; ++j) p.states[gdr_state_offset(s.slot, hv, i, c0 + j, p)] = S[i * ld + j];
 }
 
 template <typename T>

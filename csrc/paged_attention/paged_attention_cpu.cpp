@@ -18,65 +18,73 @@
 namespace clef {
 namespace {
 
-constexpr int kKeyTile = 64;
-constexpr int kRowBlock = 4;
+constexpr int kKeyTile = 32;  // a [256][32] fp32 K^T tile is 32 KB: it stays in L1 while rows stream by
+constexpr int kRowBlock = 4;  // rows are padded to a multiple of this
 
 CLEF_INLINE int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-// C[4][16*NV] += A[4][K] * B[K][16*NV]; row strides lda, ldb, ldc (floats).
-template <int NV>
+// C[MR][16*NV] += A[MR][K] * B[K][16*NV]; row strides lda, ldb, ldc (floats). MR * NV accumulators live in
+// registers; each step loads NV vectors of B and broadcasts MR values of A.
+template <int MR, int NV>
 CLEF_INLINE void micro_kernel(const float* A, int64_t lda, const float* B, int64_t ldb, int K, float* C, int64_t ldc) {
-  vf16 acc[kRowBlock][NV];
-  for (int r = 0; r < kRowBlock; ++r)
+  vf16 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = load_vf16(C + r * ldc + kLanes * v);
   for (int k = 0; k < K; ++k) {
     vf16 b[NV];
     for (int v = 0; v < NV; ++v) b[v] = load_vf16(B + k * ldb + kLanes * v);
-    for (int r = 0; r < kRowBlock; ++r) {
+    for (int r = 0; r < MR; ++r) {
       const float a = A[r * lda + k];
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
-  for (int r = 0; r < kRowBlock; ++r)
+  for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) store_vf16(C + r * ldc + kLanes * v, acc[r][v]);
 }
 
 // C[rows][cols] += A[rows][K] * B[K][cols]; rows % 4 == 0, cols % 16 == 0 (callers pad with zeros).
+// 8 x 32 blocks: 16 accumulators, 2 loads and 8 broadcasts per 16 FMAs.
 CLEF_INLINE void gemm_acc(const float* A, int64_t lda, const float* B, int64_t ldb, int K, float* C, int64_t ldc, int rows,
                           int cols) {
-  for (int r = 0; r < rows; r += kRowBlock) {
+  int r = 0;
+  for (; r + 8 <= rows; r += 8) {
     int c = 0;
-    for (; c + 4 * kLanes <= cols; c += 4 * kLanes) micro_kernel<4>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-    for (; c < cols; c += kLanes) micro_kernel<1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+    for (; c + 2 * kLanes <= cols; c += 2 * kLanes) micro_kernel<8, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+    for (; c < cols; c += kLanes) micro_kernel<8, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+  }
+  for (; r < rows; r += kRowBlock) {
+    int c = 0;
+    for (; c + 2 * kLanes <= cols; c += 2 * kLanes) micro_kernel<4, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+    for (; c < cols; c += kLanes) micro_kernel<4, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
   }
 }
 
-// Each (sequence, KV head)'s context, gathered once from the pages into fp32 tiles of kKeyTile keys:
-// K transposed ([Dp][kKeyTile], so scores vectorise over keys) followed by V ([kKeyTile][Dp]). Every query
-// block of that sequence and head then reads contiguous, L2-friendly memory instead of re-gathering.
+// A tile of kKeyTile context keys in fp32: K transposed ([Dp][kKeyTile], so scores vectorise over keys)
+// followed by V ([kKeyTile][Dp]), plus a flag per key (-1: its page is inside the cache, 0: not).
+CLEF_INLINE int64_t tile_floats(int Dp) { return 2LL * Dp * kKeyTile; }
+
+// When a (sequence, KV head) has several query blocks, its context is gathered once into such tiles and
+// every block reads contiguous, L2-friendly memory; with a single query block (decode, short chunks) each
+// tile is gathered on the fly into the work item's scratch instead, which stays in cache.
 struct GatheredContexts {
   int Dp = 0;
-  std::vector<int64_t> base;     // [batch * Hkv]: first float of each (sequence, head) region
-  std::vector<int64_t> ok_base;  // [batch * Hkv]: first flag of each region in key_ok
+  std::vector<int64_t> base;  // [batch * Hkv]: first float of each region, -1 when gathered on the fly
   std::vector<float> data;
-  std::vector<int32_t> key_ok;   // per gathered key: 1 when its page is inside the cache (-1 lanes: never)
+  std::vector<int32_t> key_ok;
 
-  int64_t tile_floats() const { return 2LL * Dp * kKeyTile; }
-  const float* kt(int region, int tile) const { return data.data() + base[region] + tile * tile_floats(); }
-  const float* v(int region, int tile) const { return kt(region, tile) + static_cast<int64_t>(Dp) * kKeyTile; }
+  bool has(int region) const { return base[region] >= 0; }
+  const float* tile(int region, int t) const { return data.data() + base[region] + t * tile_floats(Dp); }
+  const int32_t* ok(int region, int t) const { return key_ok.data() + base[region] / (2 * Dp) + t * kKeyTile; }
 };
 
 template <typename T>
-CLEF_INLINE void gather_tile(const PagedAttentionParams& p, int b, int kv_head, int tile, int context_len,
-                             GatheredContexts& g) {
-  const int region = b * p.num_kv_heads + kv_head;
-  const int D = p.head_dim, Dp = g.Dp;
-  float* kt = g.data.data() + g.base[region] + tile * g.tile_floats();
+CLEF_INLINE void gather_tile(const PagedAttentionParams& p, int b, int kv_head, int tile, int context_len, int Dp,
+                             float* kt, int32_t* ok) {
+  const int D = p.head_dim;
   float* v = kt + static_cast<int64_t>(Dp) * kKeyTile;
-  int32_t* ok = g.key_ok.data() + g.ok_base[region] + tile * kKeyTile;
   const T* key_cache = static_cast<const T*>(p.key_cache);
   const T* value_cache = static_cast<const T*>(p.value_cache);
-  std::fill(kt, kt + g.tile_floats(), 0.0f);
+  std::fill(kt, kt + tile_floats(Dp), 0.0f);
   const int k0 = tile * kKeyTile;
   // Consecutive keys of one head are Hkv * D elements apart (a page apart for clef-flash): prefetch ahead.
   constexpr int kAhead = 4;
@@ -104,14 +112,27 @@ CLEF_INLINE void gather_tile(const PagedAttentionParams& p, int b, int kv_head, 
 }
 
 struct AttnScratch {
-  std::vector<float> q, scores, out, m, l;
+  std::vector<float> q, scores, out, m, l, tile;
+  std::vector<int32_t> tile_ok;
   std::vector<int> pos;
 };
 
+// Horizontal max / sum of 16 lanes by a shuffle tree (4 steps instead of 15 dependent scalar ops).
+CLEF_INLINE vf16 swap_halves(vf16 v, int width) {
+  vi16 idx;
+  for (int i = 0; i < kLanes; ++i) idx[i] = i ^ width;
+  return __builtin_shuffle(v, idx);
+}
 CLEF_INLINE float hmax(vf16 v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
+  for (int width = 8; width >= 1; width /= 2) {
+    const vf16 other = swap_halves(v, width);
+    v = other > v ? other : v;
+  }
+  return v[0];
+}
+CLEF_INLINE float hsum(vf16 v) {
+  for (int width = 8; width >= 1; width /= 2) v += swap_halves(v, width);
+  return v[0];
 }
 
 template <typename T>
@@ -147,36 +168,49 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
   for (int k0 = 0; k0 < kv_end; k0 += kKeyTile) {
     const int tile = k0 / kKeyTile;
     const int nk = std::min(kKeyTile, kv_end - k0);
-    const int32_t* ok = g.key_ok.data() + g.ok_base[region] + tile * kKeyTile;
+    const float* kt;
+    const int32_t* ok;
+    if (g.has(region)) {
+      kt = g.tile(region, tile);
+      ok = g.ok(region, tile);
+    } else {
+      w.tile.resize(tile_floats(Dp));
+      w.tile_ok.resize(kKeyTile);
+      gather_tile<T>(p, b, kv_head, tile, kv_end, Dp, w.tile.data(), w.tile_ok.data());
+      kt = w.tile.data();
+      ok = w.tile_ok.data();
+    }
+    const float* vt = kt + static_cast<int64_t>(Dp) * kKeyTile;
     std::fill(w.scores.begin(), w.scores.end(), 0.0f);
-    gemm_acc(w.q.data(), Dp, g.kt(region, tile), kKeyTile, Dp, w.scores.data(), kKeyTile, rows_p, kKeyTile);
+    gemm_acc(w.q.data(), Dp, kt, kKeyTile, Dp, w.scores.data(), kKeyTile, rows_p, kKeyTile);
     for (int r = 0; r < rows; ++r) {
       float* srow = w.scores.data() + static_cast<size_t>(r) * kKeyTile;
       const int last = w.pos[r] - k0;  // keys kk <= last are causal for this row
-      vi16 live[kKeyTile / kLanes];
-      vf16 tile_max = broadcast(kNegInf);
-      for (int c = 0; c < kKeyTile / kLanes; ++c) {
-        const vi16 kk = lane + c * kLanes;
-        live[c] = (kk <= last) & *reinterpret_cast<const vi16*>(ok + c * kLanes);
-        const vf16 sv = load_vf16(srow + c * kLanes);
-        tile_max = live[c] ? (sv > tile_max ? sv : tile_max) : tile_max;
+      constexpr int kVectors = kKeyTile / kLanes;
+      const vf16 neg = broadcast(kNegInf);
+      vf16 masked[kVectors];
+      vi16 live[kVectors];
+      vf16 running = neg;
+      for (int c = 0; c < kVectors; ++c) {
+        live[c] = ((lane + c * kLanes) <= last) & *reinterpret_cast<const vi16*>(ok + c * kLanes);
+        masked[c] = live[c] ? load_vf16(srow + c * kLanes) : neg;
+        running = masked[c] > running ? masked[c] : running;
       }
-      const SoftmaxStep step = softmax_step(w.m[r], hmax(tile_max));
+      const SoftmaxStep step = softmax_step(w.m[r], hmax(running));
       vf16 sum = {};
-      for (int c = 0; c < kKeyTile / kLanes; ++c) {
-        const vf16 prob = live[c] ? exp_vf16(load_vf16(srow + c * kLanes) - step.m) : vf16{};
+      for (int c = 0; c < kVectors; ++c) {
+        const vf16 prob = live[c] ? exp_vf16(masked[c] - step.m) : vf16{};
         store_vf16(srow + c * kLanes, prob);
         sum += prob;
       }
-      float total = 0.0f;
-      for (int i = 0; i < kLanes; ++i) total += sum[i];
+      const float total = hsum(sum);
       w.l[r] = w.l[r] * step.alpha + total;
       w.m[r] = step.m;
       float* orow = w.out.data() + static_cast<size_t>(r) * Dp;
       if (step.alpha != 1.0f)
         for (int d = 0; d < Dp; ++d) orow[d] *= step.alpha;
     }
-    gemm_acc(w.scores.data(), kKeyTile, g.v(region, tile), Dp, nk, w.out.data(), Dp, rows_p, Dp);
+    gemm_acc(w.scores.data(), kKeyTile, vt, Dp, nk, w.out.data(), Dp, rows_p, Dp);
   }
   T* out = static_cast<T*>(p.out);
   for (int r = 0; r < rows; ++r) {
@@ -207,9 +241,9 @@ CLEF_INLINE void cache_write_token(const CacheWriteParams& p, int64_t token) {
 }  // namespace
 
 #define CLEF_ATTN_CPU_ENTRIES(suffix, T)                                                                        \
-  CLEF_CPU_KERNEL void gather_tile_##suffix(const PagedAttentionParams& p, int b, int h, int tile, int ctx,       \
-                                            GatheredContexts& g) {                                                \
-    gather_tile<T>(p, b, h, tile, ctx, g);                                                                       \
+  CLEF_CPU_KERNEL void gather_tile_##suffix(const PagedAttentionParams& p, int b, int h, int tile, int ctx, int Dp, \
+                                            float* kt, int32_t* ok) {                                             \
+    gather_tile<T>(p, b, h, tile, ctx, Dp, kt, ok);                                                              \
   }                                                                                                               \
   CLEF_CPU_KERNEL void attention_block_##suffix(const PagedAttentionParams& p, int b, int h, int q0, int n,       \
                                                 const GatheredContexts& g, AttnScratch& w) {                      \
@@ -225,39 +259,37 @@ void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
   auto block_fn = f32 ? attention_block_f32 : f16 ? attention_block_f16 : attention_block_bf16;
   const int group = p.num_q_heads / p.num_kv_heads;
 
-  // Pass 1: gather each (sequence, KV head)'s context keys, up to its last query's position.
+  // Pass 1: gather the context of every (sequence, KV head) with several query blocks (see GatheredContexts).
+  const int block_tokens = std::max(1, 128 / group);  // about 128 rows per work item
   GatheredContexts g;
   g.Dp = round_up(p.head_dim, kLanes);
   const int regions = p.batch * p.num_kv_heads;
-  g.base.resize(regions);
-  g.ok_base.resize(regions);
+  g.base.assign(regions, -1);
   std::vector<int> needed(p.batch), tile_start(regions + 1, 0);
-  int64_t floats = 0, flags = 0;
+  int64_t floats = 0;
   for (int b = 0; b < p.batch; ++b) {
     const AttnSeq s = attn_sequence(p, b);
     needed[b] = s.q_len > 0 ? std::max(0, attn_query_position(s, s.q_len - 1) + 1) : 0;
-    const int tiles = (needed[b] + kKeyTile - 1) / kKeyTile;
+    const int tiles = s.q_len > block_tokens ? (needed[b] + kKeyTile - 1) / kKeyTile : 0;
     for (int h = 0; h < p.num_kv_heads; ++h) {
       const int region = b * p.num_kv_heads + h;
-      g.base[region] = floats;
-      g.ok_base[region] = flags;
+      if (tiles > 0) g.base[region] = floats;
       tile_start[region + 1] = tile_start[region] + tiles;
-      floats += tiles * g.tile_floats();
-      flags += static_cast<int64_t>(tiles) * kKeyTile;
+      floats += tiles * tile_floats(g.Dp);
     }
   }
   g.data.resize(floats);
-  g.key_ok.resize(flags);
+  g.key_ok.resize(floats / (2 * g.Dp));
   at::parallel_for(0, tile_start[regions], 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int region = static_cast<int>(std::upper_bound(tile_start.begin(), tile_start.end(), i) - tile_start.begin()) - 1;
-      const int b = region / p.num_kv_heads;
-      gather_fn(p, b, region % p.num_kv_heads, static_cast<int>(i - tile_start[region]), needed[b], g);
+      const int b = region / p.num_kv_heads, t = static_cast<int>(i - tile_start[region]);
+      gather_fn(p, b, region % p.num_kv_heads, t, needed[b], g.Dp, const_cast<float*>(g.tile(region, t)),
+                const_cast<int32_t*>(g.ok(region, t)));
     }
   });
 
-  // Pass 2: attention per (sequence, query block, KV head); about 64 rows per item to amortise each tile.
-  const int block_tokens = std::max(1, 64 / group);
+  // Pass 2: attention per (sequence, query block, KV head).
   std::vector<int64_t> item_start(p.batch + 1, 0);
   for (int b = 0; b < p.batch; ++b) {
     const AttnSeq s = attn_sequence(p, b);
