@@ -75,8 +75,8 @@ def causal_conv1d_update(
 ) -> Tensor:
     """x [B, C] (one token per sequence) -> out [B, C]; conv_states [S, C, K-1] updated (the slot is always read)."""
     batch = x.shape[0]
-    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32)
-    has_initial = torch.ones(batch, dtype=torch.bool)
+    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=x.device)
+    has_initial = torch.ones(batch, dtype=torch.bool, device=x.device)
     return causal_conv1d_fwd(x, weight, bias, conv_states, cu_seqlens, state_indices, has_initial, silu=silu, out=out)
 
 
@@ -111,12 +111,12 @@ def _delta_rule_chunked(
         n = gc.shape[1]
         cum = gc.cumsum(-1)  # G_t
         diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # G_t - G_s
-        lower = torch.ones(n, n, dtype=torch.bool).tril(-1)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         decay_strict = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()
         decay_causal = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
         a = bc.unsqueeze(-1) * decay_strict * (kc @ kc.transpose(-1, -2))
-        system = a + torch.eye(n)
+        system = a + torch.eye(n, device=q.device)
         rhs = bc.unsqueeze(-1) * (vc - cum.exp().unsqueeze(-1) * (kc @ state))
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, C, Dv]
         o = cum.exp().unsqueeze(-1) * (qc @ state) + (decay_causal * (qc @ kc.transpose(-1, -2))) @ u
@@ -153,7 +153,7 @@ def gated_delta_rule_chunk(
         if slot >= 0 and bool(has_initial_state[b]):
             state = states[slot].float()
         else:
-            state = torch.zeros(num_v_heads, dk, dv)
+            state = torch.zeros(num_v_heads, dk, dv, device=v.device)
         qh, kh = _prepare_qk(q[start:end], k[start:end], num_v_heads, scale, use_qk_l2norm)
         o, state = _delta_rule_chunked(
             qh, kh, v[start:end].float(), g[start:end].float(), beta[start:end].float(), state
@@ -188,7 +188,7 @@ def gated_delta_rule_recurrent(
     qh, kh = _prepare_qk(q, k, num_v_heads, scale, use_qk_l2norm)  # [B, Hv, Dk]
     for b in range(q.shape[0]):
         slot = int(state_indices[b])
-        state = states[slot].float() if slot >= 0 else torch.zeros(num_v_heads, dk, v.shape[-1])
+        state = states[slot].float() if slot >= 0 else torch.zeros(num_v_heads, dk, v.shape[-1], device=v.device)
         state = g[b].float().exp()[:, None, None] * state
         u = beta[b].float()[:, None] * (v[b].float() - torch.einsum("hkv,hk->hv", state, kh[b]))
         state = state + kh[b][:, :, None] * u[:, None, :]
@@ -210,8 +210,8 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
 def gather_context(cache: Tensor, block_table: Tensor, context_len: int) -> Tensor:
     """The first context_len cached rows of one sequence: [context_len, Hkv, D]."""
     block_size = cache.shape[1]
-    positions = torch.arange(context_len)
-    blocks = block_table.long()[positions // block_size]
+    positions = torch.arange(context_len, device=cache.device)
+    blocks = block_table.long().to(cache.device)[positions // block_size]
     return cache[blocks, positions % block_size]
 
 
@@ -241,7 +241,8 @@ def paged_attention(
         keys = gather_context(key_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
         values = gather_context(value_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float() * scale, keys)
-        allowed = torch.arange(ctx)[None, :] <= (ctx - q_len + torch.arange(q_len))[:, None]
+        positions = torch.arange(ctx, device=query.device)
+        allowed = positions[None, :] <= (ctx - q_len + torch.arange(q_len, device=query.device))[:, None]
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
     return out

@@ -102,4 +102,34 @@ CLEF_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 // no key yet, and behaves identically under fast-math and NVRTC (no INFINITY macro needed).
 constexpr float kNegInf = -1.0e30f;
 
+// ---- packed batches with per-sequence state slots -------------------------------------------------
+// Sequence b of a pack owns tokens [cu_seqlens[b], cu_seqlens[b+1]); cu_seqlens == null means one token
+// per sequence (decode: sequence b is token b). state_indices[b] < 0: no slot (start from zeros, save
+// nothing). has_initial_state == null means "read the slot". Out-of-range metadata yields an empty
+// sequence or no slot, so a kernel can never read or write outside its tensors.
+struct PackedSeq {
+  int64_t start;
+  int len;
+  int slot;         // -1: no slot
+  bool read_state;  // the initial state comes from the slot (else zeros)
+};
+
+CLEF_HD PackedSeq packed_sequence(const int32_t* cu_seqlens, int64_t num_tokens, const int32_t* state_indices,
+                                  const bool* has_initial_state, int num_slots, int b) {
+  PackedSeq s;
+  if (cu_seqlens != nullptr) {
+    s.start = cu_seqlens[b];
+    int64_t end = cu_seqlens[b + 1];
+    if (s.start < 0 || end > num_tokens || end < s.start) end = s.start = 0;
+    s.len = static_cast<int>(end - s.start);
+  } else {
+    s.start = b;
+    s.len = 1;
+  }
+  const int slot = state_indices[b];
+  s.slot = (slot >= 0 && slot < num_slots) ? slot : -1;
+  s.read_state = s.slot >= 0 && (has_initial_state == nullptr || has_initial_state[b]);
+  return s;
+}
+
 }  // namespace clef

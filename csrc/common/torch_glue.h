@@ -73,6 +73,21 @@ inline void check_cu_seqlens_values(const at::Tensor& cu_seqlens, int64_t num_to
                     num_tokens, ")");
 }
 
+// cu_seqlens [batch + 1] and has_initial_state [batch] of a pack of num_tokens tokens (see PackedSeq).
+inline void check_pack(const at::Tensor& cu_seqlens, const at::Tensor& has_initial_state, int64_t batch,
+                       int64_t num_tokens, const at::Tensor& ref, const char* op) {
+  check_dim(cu_seqlens, 1, op, "cu_seqlens", "[batch + 1]");
+  check_shape(cu_seqlens, {batch + 1}, op, "cu_seqlens");
+  check_dtype(cu_seqlens, at::kInt, op, "cu_seqlens");
+  check_contiguous(cu_seqlens, op, "cu_seqlens");
+  check_device(cu_seqlens, ref, op, "cu_seqlens");
+  check_shape(has_initial_state, {batch}, op, "has_initial_state");
+  check_dtype(has_initial_state, at::kBool, op, "has_initial_state");
+  check_contiguous(has_initial_state, op, "has_initial_state");
+  check_device(has_initial_state, ref, op, "has_initial_state");
+  check_cu_seqlens_values(cu_seqlens, num_tokens, op, "cu_seqlens");
+}
+
 inline void check_state_indices_values(const at::Tensor& state_indices, int64_t num_slots, const char* op) {
   if (!state_indices.is_cpu()) return;
   const int32_t* idx = state_indices.data_ptr<int32_t>();

@@ -35,31 +35,8 @@ struct Conv1dParams {
   bool silu = true;
 };
 
-// Where sequence b lives in the packed token axis. Out-of-range metadata yields an empty sequence,
-// so a kernel can never read or write outside x/out.
-struct ConvSeq {
-  int64_t start;
-  int len;
-  int slot;         // -1: no slot
-  bool read_state;  // initial history comes from the slot (else zeros)
-};
-
-CLEF_HD ConvSeq conv_sequence(const Conv1dParams& p, int b) {
-  ConvSeq s;
-  if (p.cu_seqlens != nullptr) {
-    s.start = p.cu_seqlens[b];
-    int64_t end = p.cu_seqlens[b + 1];
-    if (s.start < 0 || end > p.num_tokens || end < s.start) end = s.start = 0;
-    s.len = static_cast<int>(end - s.start);
-  } else {
-    s.start = b;
-    s.len = 1;
-  }
-  int slot = p.state_indices[b];
-  s.slot = (slot >= 0 && slot < p.num_slots) ? slot : -1;
-  bool want_history = p.has_initial_state == nullptr ? true : p.has_initial_state[b];
-  s.read_state = s.slot >= 0 && want_history;
-  return s;
+CLEF_HD PackedSeq conv_sequence(const Conv1dParams& p, int b) {
+  return packed_sequence(p.cu_seqlens, p.num_tokens, p.state_indices, p.has_initial_state, p.num_slots, b);
 }
 
 // conv_states[slot, channel, j]; j = 0 is the oldest remembered input.
@@ -78,7 +55,7 @@ CLEF_HD int64_t conv_out_offset(int64_t token, int channel, int channels) {
 // Raw input of channel c at position pos of the sequence (pos may be negative: the remembered history,
 // pos = -1 being the newest remembered input). Zero where nothing is remembered.
 template <typename T>
-CLEF_HD float conv_input(const Conv1dParams& p, const ConvSeq& s, int pos, int c) {
+CLEF_HD float conv_input(const Conv1dParams& p, const PackedSeq& s, int pos, int c) {
   if (pos >= 0) return to_f32(static_cast<const T*>(p.x)[conv_x_offset(s.start + pos, c, p.x_token_stride)]);
   if (!s.read_state) return 0.0f;
   int j = pos + (p.width - 1);
@@ -96,7 +73,7 @@ CLEF_HD float conv_output(const float* window, const Conv1dParams& p, int c) {
 // The new remembered history of channel c: inputs at positions len-(width-1) .. len-1 (older ones may
 // come from the previous history when the sequence is shorter than width-1).
 template <typename T>
-CLEF_HD float conv_new_history(const Conv1dParams& p, const ConvSeq& s, int j, int c) {
+CLEF_HD float conv_new_history(const Conv1dParams& p, const PackedSeq& s, int j, int c) {
   return conv_input<T>(p, s, s.len - (p.width - 1) + j, c);
 }
 

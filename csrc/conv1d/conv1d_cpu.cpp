@@ -17,7 +17,7 @@ constexpr int kChannelBlock = 256;
 
 template <typename T, int W>
 CLEF_INLINE void conv1d_block(const Conv1dParams& p, int b, int c0, int c1) {
-  const ConvSeq s = conv_sequence(p, b);
+  const PackedSeq s = conv_sequence(p, b);
   const int n = c1 - c0;
   // Weights transposed to [W][n] so the channel loop reads them contiguously.
   float wt[W][kChannelBlock];

@@ -18,7 +18,7 @@ template <typename T, int W>
 __global__ void __launch_bounds__(kConvThreads) conv1d_fwd_kernel(Conv1dParams p) {
   const int c = blockIdx.x * kConvThreads + threadIdx.x;
   const int b = blockIdx.z;
-  const ConvSeq s = conv_sequence(p, b);
+  const PackedSeq s = conv_sequence(p, b);
   const int t0 = blockIdx.y * kConvTileTokens;
   if (c >= p.channels || t0 >= s.len) return;  // no block-wide sync below, early exit is safe
 
@@ -39,7 +39,7 @@ template <typename T, int W>
 __global__ void __launch_bounds__(kConvThreads) conv1d_save_state_kernel(Conv1dParams p) {
   const int c = blockIdx.x * kConvThreads + threadIdx.x;
   const int b = blockIdx.y;
-  const ConvSeq s = conv_sequence(p, b);
+  const PackedSeq s = conv_sequence(p, b);
   if (c >= p.channels || s.slot < 0) return;
   float history[W - 1];
   // Read everything first: the new history may be built from the old one (sequences shorter than W-1).

@@ -76,16 +76,7 @@ void causal_conv1d_fwd(const at::Tensor& x, const at::Tensor& weight, const std:
                        const at::Tensor& has_initial_state, bool silu, at::Tensor& out) {
   const char* op = "causal_conv1d_fwd";
   Conv1dParams p = conv1d_params(op, x, weight, bias, conv_states, state_indices, silu, out);
-  check_dim(cu_seqlens, 1, op, "cu_seqlens", "[batch + 1]");
-  check_shape(cu_seqlens, {state_indices.size(0) + 1}, op, "cu_seqlens");
-  check_dtype(cu_seqlens, at::kInt, op, "cu_seqlens");
-  check_contiguous(cu_seqlens, op, "cu_seqlens");
-  check_device(cu_seqlens, x, op, "cu_seqlens");
-  check_shape(has_initial_state, {state_indices.size(0)}, op, "has_initial_state");
-  check_dtype(has_initial_state, at::kBool, op, "has_initial_state");
-  check_contiguous(has_initial_state, op, "has_initial_state");
-  check_device(has_initial_state, x, op, "has_initial_state");
-  check_cu_seqlens_values(cu_seqlens, x.size(0), op, "cu_seqlens");
+  check_pack(cu_seqlens, has_initial_state, state_indices.size(0), x.size(0), x, op);
   p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
   p.has_initial_state = has_initial_state.data_ptr<bool>();
   run_conv1d(op, p, x);

@@ -43,29 +43,8 @@ struct GatedDeltaRuleParams {
   bool l2norm_qk = true;
 };
 
-struct GdrSeq {
-  int64_t start;
-  int len;
-  int slot;         // -1: no slot (zero initial state, final state not saved)
-  bool read_state;
-};
-
-CLEF_HD GdrSeq gdr_sequence(const GatedDeltaRuleParams& p, int b) {
-  GdrSeq s;
-  if (p.cu_seqlens != nullptr) {
-    s.start = p.cu_seqlens[b];
-    int64_t end = p.cu_seqlens[b + 1];
-    if (s.start < 0 || end > p.num_tokens || end < s.start) end = s.start = 0;
-    s.len = static_cast<int>(end - s.start);
-  } else {
-    s.start = b;
-    s.len = 1;
-  }
-  int slot = p.state_indices[b];
-  s.slot = (slot >= 0 && slot < p.num_slots) ? slot : -1;
-  bool want_state = p.has_initial_state == nullptr ? true : p.has_initial_state[b];
-  s.read_state = s.slot >= 0 && want_state;
-  return s;
+CLEF_HD PackedSeq gdr_sequence(const GatedDeltaRuleParams& p, int b) {
+  return packed_sequence(p.cu_seqlens, p.num_tokens, p.state_indices, p.has_initial_state, p.num_slots, b);
 }
 
 // Grouped value heads: each key head serves Hv/Hk consecutive value heads (indexed, never repeated).

@@ -92,7 +92,7 @@ CLEF_INLINE void load_token(const GatedDeltaRuleParams& p, int64_t token, int hk
 template <typename T, int NV>
 CLEF_INLINE void gdr_block(const GatedDeltaRuleParams& p, int b, int hv, int c0, std::vector<float>& state,
                            TokenInputs& cur, TokenInputs& next) {
-  const GdrSeq s = gdr_sequence(p, b);
+  const PackedSeq s = gdr_sequence(p, b);
   const int hk = gdr_key_head(hv, p.num_v_heads, p.num_k_heads);
   const int dk = p.head_k_dim;
   const int nc = std::min(kColumnBlock, p.head_v_dim - c0);

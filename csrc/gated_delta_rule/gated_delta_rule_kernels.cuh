@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kGdrThreads) gated_delta_rule_kernel(GatedDelt
   const int hv = blockIdx.y;
   const int b = blockIdx.z;
   const int hk = gdr_key_head(hv, p.num_v_heads, p.num_k_heads);
-  const GdrSeq s = gdr_sequence(p, b);
+  const PackedSeq s = gdr_sequence(p, b);
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);

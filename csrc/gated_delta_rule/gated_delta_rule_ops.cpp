@@ -96,16 +96,7 @@ void gated_delta_rule_chunk(const at::Tensor& q, const at::Tensor& k, const at::
                             bool use_qk_l2norm, at::Tensor& out) {
   const char* op = "gated_delta_rule_chunk";
   GatedDeltaRuleParams p = gdr_params(op, q, k, v, g, beta, states, state_indices, scale, use_qk_l2norm, out);
-  check_dim(cu_seqlens, 1, op, "cu_seqlens", "[batch + 1]");
-  check_shape(cu_seqlens, {state_indices.size(0) + 1}, op, "cu_seqlens");
-  check_dtype(cu_seqlens, at::kInt, op, "cu_seqlens");
-  check_contiguous(cu_seqlens, op, "cu_seqlens");
-  check_device(cu_seqlens, q, op, "cu_seqlens");
-  check_shape(has_initial_state, {state_indices.size(0)}, op, "has_initial_state");
-  check_dtype(has_initial_state, at::kBool, op, "has_initial_state");
-  check_contiguous(has_initial_state, op, "has_initial_state");
-  check_device(has_initial_state, q, op, "has_initial_state");
-  check_cu_seqlens_values(cu_seqlens, q.size(0), op, "cu_seqlens");
+  check_pack(cu_seqlens, has_initial_state, state_indices.size(0), q.size(0), q, op);
   p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
   p.has_initial_state = has_initial_state.data_ptr<bool>();
   run_gdr(op, p, q);
