@@ -16,3 +16,12 @@ def build_info() -> dict:
 
     archs = [] if _C.CUDA_ARCHS == "none" else [f"{a[:-1]}.{a[-1]}" for a in _C.CUDA_ARCHS.split("_")]
     return {"variant": _C.VARIANT, "cuda_archs": archs}
+
+
+def __getattr__(name: str):
+    # Lazy: `import clef_cuda` stays cheap and works without the compiled extension.
+    if name == "Decider":
+        from clef_cuda.decider import Decider
+
+        return Decider
+    raise AttributeError(name)

@@ -1,0 +1,253 @@
+"""Model and head configuration of a clef-flash release: read config.json and joint_head_config.json,
+validate every field the trunk and head rely on, fail with errors that name the file and field."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clef_cuda.errors import ReleaseError
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True)
+class TrunkConfig:
+    """The Qwen3.5 hybrid text trunk (see shared/specs/qwen35-trunk.md)."""
+
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    vocab_size: int
+    rms_norm_eps: float
+    # full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    tie_word_embeddings: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the delta net's conv: q | k | v bands."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """The joint schema head (joint_head_config.json)."""
+
+    hidden_size: int
+    width: int
+    routing_layers: int
+    layers: int
+    heads: int
+    feedforward: int
+
+
+@dataclass(frozen=True)
+class ReleaseConfig:
+    trunk: TrunkConfig
+    head: HeadConfig
+    # Where the trunk's tensors live: "model.language_model." (Qwen3_5ForConditionalGeneration, the release
+    # layout) or "model." (a text-only Qwen3_5ForCausalLM save).
+    weight_prefix: str
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ReleaseError(f"{path}: missing (a clef-flash release needs config.json and joint_head_config.json)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ReleaseError(f"{path}: not readable JSON ({error})") from error
+    if not isinstance(data, dict):
+        raise ReleaseError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+class _Fields:
+    """Typed access to one JSON object, with errors naming file and field."""
+
+    def __init__(self, data: dict[str, Any], path: Path, where: str = "") -> None:
+        self.data, self.path, self.where = data, path, where
+
+    def _name(self, key: str) -> str:
+        return f"{self.where}{key}"
+
+    def fail(self, key: str, problem: str) -> ReleaseError:
+        return ReleaseError(f"{self.path}: field '{self._name(key)}' {problem}")
+
+    def positive_int(self, key: str, default: int | None = None) -> int:
+        value = self.data.get(key, default)
+        if value is None:
+            raise self.fail(key, "is missing")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise self.fail(key, f"must be a positive integer, got {value!r}")
+        return value
+
+    def positive_float(self, key: str, default: float | None = None) -> float:
+        value = self.data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise self.fail(key, f"must be a positive number, got {value!r}")
+        return float(value)
+
+
+def _trunk_config(text: dict[str, Any], top: dict[str, Any], path: Path, where: str) -> TrunkConfig:
+    f = _Fields(text, path, where)
+    hidden = f.positive_int("hidden_size")
+    num_layers = f.positive_int("num_hidden_layers")
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = f.positive_int("full_attention_interval", 4)
+        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise f.fail("layer_types", f"must list one type per layer ({num_layers}), got {layer_types!r}")
+    for i, kind in enumerate(layer_types):
+        if kind not in (LINEAR_ATTENTION, FULL_ATTENTION):
+            raise f.fail("layer_types", f"entry {i} is {kind!r}; expected '{LINEAR_ATTENTION}' or '{FULL_ATTENTION}'")
+    if text.get("hidden_act", "silu") != "silu":
+        raise f.fail("hidden_act", f"must be 'silu' (Qwen3.5), got {text.get('hidden_act')!r}")
+    if text.get("attention_bias", False):
+        raise f.fail("attention_bias", "must be false: Qwen3.5 has no attention biases")
+
+    heads = f.positive_int("num_attention_heads")
+    kv_heads = f.positive_int("num_key_value_heads")
+    if heads % kv_heads:
+        raise f.fail("num_attention_heads", f"({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    head_dim = f.positive_int("head_dim", hidden // heads)
+    linear_k_heads = f.positive_int("linear_num_key_heads")
+    linear_v_heads = f.positive_int("linear_num_value_heads")
+    if linear_v_heads % linear_k_heads:
+        raise f.fail(
+            "linear_num_value_heads",
+            f"({linear_v_heads}) must be a multiple of linear_num_key_heads ({linear_k_heads})",
+        )
+    conv_kernel = f.positive_int("linear_conv_kernel_dim", 4)
+    if not 2 <= conv_kernel <= 8:
+        raise f.fail("linear_conv_kernel_dim", f"must be in [2, 8], got {conv_kernel}")
+
+    # RoPE: rope_parameters (transformers 5) or the legacy top-level fields. The class default theta (1e4)
+    # is wrong for releases, so it is read, never assumed.
+    rope = text.get("rope_parameters")
+    if rope is None:
+        rope = {k: text[k] for k in ("rope_theta", "partial_rotary_factor", "rope_type") if k in text}
+    if not isinstance(rope, dict):
+        raise f.fail("rope_parameters", f"must be an object, got {rope!r}")
+    rf = _Fields(rope, path, f"{where}rope_parameters.")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise rf.fail("rope_type", f"is {rope_type!r}; only 'default' (plain/multimodal RoPE) is supported")
+    theta = rf.positive_float("rope_theta", text.get("rope_theta"))
+    factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+        raise rf.fail("partial_rotary_factor", f"must be in (0, 1], got {factor!r}")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim % 2 or rotary_dim == 0:
+        raise rf.fail(
+            "partial_rotary_factor", f"gives an odd or empty rotary dim ({rotary_dim}) for head_dim {head_dim}"
+        )
+    section = rope.get("mrope_section")
+    if section is not None and (
+        not isinstance(section, list) or not all(isinstance(s, int) and s >= 0 for s in section)
+    ):
+        raise rf.fail("mrope_section", f"must be a list of non-negative integers, got {section!r}")
+
+    tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
+    return TrunkConfig(
+        hidden_size=hidden,
+        intermediate_size=f.positive_int("intermediate_size"),
+        layer_types=tuple(layer_types),
+        vocab_size=f.positive_int("vocab_size"),
+        rms_norm_eps=f.positive_float("rms_norm_eps", 1e-6),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        rope_theta=theta,
+        linear_num_key_heads=linear_k_heads,
+        linear_num_value_heads=linear_v_heads,
+        linear_key_head_dim=f.positive_int("linear_key_head_dim"),
+        linear_value_head_dim=f.positive_int("linear_value_head_dim"),
+        linear_conv_kernel_dim=conv_kernel,
+        tie_word_embeddings=bool(tie),
+    )
+
+
+def load_trunk_config(path: Path) -> tuple[TrunkConfig, str]:
+    """config.json -> (trunk config, weight prefix). Accepts model_type qwen3_5 (text config nested under
+    text_config: the release layout) and qwen3_5_text / Qwen3_5ForCausalLM (a text-only save)."""
+    data = _read_json(path)
+    model_type = data.get("model_type")
+    architectures = data.get("architectures") or []
+    if model_type == "qwen3_5":
+        text = data.get("text_config")
+        if not isinstance(text, dict):
+            raise ReleaseError(f"{path}: field 'text_config' must be an object for model_type 'qwen3_5'")
+        return _trunk_config(text, data, path, "text_config."), "model.language_model."
+    if model_type == "qwen3_5_text" or "Qwen3_5ForCausalLM" in architectures:
+        return _trunk_config(data, data, path, ""), "model."
+    raise ReleaseError(
+        f"{path}: field 'model_type' is {model_type!r}; expected 'qwen3_5' (a clef-flash release) or "
+        "'qwen3_5_text' (a text-only Qwen3.5 save)"
+    )
+
+
+def load_head_config(path: Path, trunk: TrunkConfig) -> HeadConfig:
+    data = _read_json(path)
+    f = _Fields(data, path)
+    config = HeadConfig(
+        hidden_size=f.positive_int("hidden_size"),
+        width=f.positive_int("width"),
+        routing_layers=f.positive_int("routing_layers"),
+        layers=f.positive_int("layers"),
+        heads=f.positive_int("heads"),
+        feedforward=f.positive_int("feedforward"),
+    )
+    if config.hidden_size != trunk.hidden_size:
+        raise f.fail(
+            "hidden_size", f"({config.hidden_size}) differs from the trunk's hidden_size ({trunk.hidden_size})"
+        )
+    if config.width % config.heads:
+        raise f.fail("width", f"({config.width}) must be a multiple of heads ({config.heads})")
+    return config
+
+
+def load_release_config(model_dir: str | Path) -> ReleaseConfig:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ReleaseError(f"{model_dir}: not a directory (expected a clef-flash release directory)")
+    trunk, prefix = load_trunk_config(model_dir / "config.json")
+    head = load_head_config(model_dir / "joint_head_config.json", trunk)
+    return ReleaseConfig(trunk=trunk, head=head, weight_prefix=prefix)

@@ -1,0 +1,127 @@
+"""The public in-process API: a release directory in, System One answers out.
+
+    from clef_cuda import Decider
+    decider = Decider.from_release("/mnt/models/clef-flash", device="cuda", dtype=torch.float16)
+    response = decider.decide({"model": "clef-flash", "state": "...", "questions": {...}})
+
+One record at a time, prefilled in chunks through the trunk's paged/slot caches; the server's engine
+(clef_cuda.engine) batches many records over the same pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clef_cuda import answers
+from clef_cuda.cache import TrunkCache
+from clef_cuda.config import ReleaseConfig, load_release_config
+from clef_cuda.encoding import EncodedRecord, Tokenizer, encode_request, validate_request
+from clef_cuda.head import JointSchemaHead, RecordLayout
+from clef_cuda.trunk import ChunkBatch, SequenceChunk, Trunk
+from clef_cuda.weights import load_release_weights
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class DecisionOptions:
+    max_length: int = 16384  # token budget per record (the reference's limit)
+    state_overflow: str = "reject"  # or "truncate": keep the head of the state (the reference's behaviour)
+    confidence: str = "clef"  # or "typesafe"
+    chunk_size: int = 1024  # prefill chunk (tokens per trunk step)
+
+
+class Decider:
+    def __init__(
+        self,
+        config: ReleaseConfig,
+        trunk: Trunk,
+        head: JointSchemaHead,
+        tokenizer: Tokenizer,
+        options: DecisionOptions = DecisionOptions(),
+    ) -> None:
+        if options.confidence not in answers.CONFIDENCE_MODES:
+            raise ValueError(f"confidence must be one of {answers.CONFIDENCE_MODES}, got {options.confidence!r}")
+        if options.chunk_size <= 0 or options.max_length <= 0:
+            raise ValueError("chunk_size and max_length must be positive")
+        self.config, self.trunk, self.head, self.tokenizer, self.options = config, trunk, head, tokenizer, options
+
+    @classmethod
+    def from_release(
+        cls,
+        path: str | Path,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        head_dtype: torch.dtype = torch.float32,
+        progress: bool = True,
+        ops=None,
+        **options: Any,
+    ) -> Decider:
+        """Load a release. Defaults: the GPU if there is one, in f16 (V100 has no bf16 math); else the CPU in
+        fp32. The head runs in fp32 unless head_dtype says otherwise. `options` are DecisionOptions fields."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+        config = load_release_config(path)
+        tokenizer = Tokenizer.from_release(path)
+        weights = load_release_weights(path, config, device, dtype, head_dtype, progress=progress)
+        trunk = Trunk(config.trunk, weights.trunk, dtype, ops=ops)
+        head = JointSchemaHead(config.head, weights.head, weights.trunk["lm_head.weight"])
+        return cls(config, trunk, head, tokenizer, DecisionOptions(**options))
+
+    @property
+    def device(self) -> torch.device:
+        return self.trunk.embed.device
+
+    def encode(self, request: dict[str, Any]) -> EncodedRecord:
+        validate_request(request)
+        return encode_request(
+            self.tokenizer, request, max_length=self.options.max_length, state_overflow=self.options.state_overflow
+        )
+
+    @torch.inference_mode()
+    def probabilities(self, record: EncodedRecord, chunk_sizes: list[int] | None = None) -> list[list[float]]:
+        """Per question, the probability of each option in encoded order. `chunk_sizes` splits the prefill
+        (default: chunks of options.chunk_size)."""
+        n = record.num_tokens
+        if chunk_sizes is None:
+            step = self.options.chunk_size
+            chunk_sizes = [min(step, n - s) for s in range(0, n, step)]
+        if sum(chunk_sizes) != n or min(chunk_sizes) <= 0:
+            raise ValueError(f"chunk sizes {chunk_sizes} must be positive and add up to {n}")
+        blocks = -(-n // DEFAULT_BLOCK_SIZE)
+        cache = TrunkCache.allocate(self.config.trunk, 1, blocks, DEFAULT_BLOCK_SIZE, self.device, self.trunk.dtype)
+        layout = RecordLayout.from_record(record, self.device)
+        inputs = self.head.start(layout, n)
+        start = 0
+        for size in chunk_sizes:
+            chunk = SequenceChunk(list(record.input_ids[start : start + size]), start, 0, list(range(blocks)))
+            hidden = self.trunk.forward(ChunkBatch.build([chunk], DEFAULT_BLOCK_SIZE, self.device), cache)
+            self.head.consume(inputs, layout, hidden)
+            start += size
+        probs = self.head.probabilities(self.head.logits(inputs, layout), layout).tolist()
+        out, cursor = [], 0
+        for question in record.questions:
+            out.append(probs[cursor : cursor + len(question.option_ids)])
+            cursor += len(question.option_ids)
+        return out
+
+    def decide(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A System One request body -> its response body (reference-exact; x_truncated_state_tokens is
+        added when the truncate policy cut the state)."""
+        record = self.encode(request)
+        per_question = self.probabilities(record)
+        result = {
+            q.question_id: answers.answer(
+                request["questions"][q.question_id], dict(zip(q.option_ids, p, strict=True)), self.options.confidence
+            )
+            for q, p in zip(record.questions, per_question, strict=True)
+        }
+        body = answers.response(request["model"], result, record.num_tokens)
+        if record.dropped_state_tokens:
+            body["x_truncated_state_tokens"] = record.dropped_state_tokens
+        return body

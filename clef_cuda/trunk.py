@@ -1,0 +1,253 @@
+"""The Qwen3.5 hybrid trunk on packed chunks, built on the clef_cuda ops.
+
+One call runs every layer over the new tokens of several sequences at once (a chunk each): the delta-net
+layers through causal_conv1d_fwd + gated_delta_rule_chunk with per-sequence state slots, the attention
+layers through reshape_and_cache + paged_attention with block tables. So a long record can be prefilled
+chunk by chunk, interleaved with other records, with results identical to one pass.
+
+Precision: the residual stream and every norm are fp32; matrix multiplies run in the serving dtype
+(fp32 on the CPU; f16/bf16 on a GPU, accumulating in fp32); delta-rule states are fp32. Non-finite hidden
+states (an f16 overflow) raise NumericalOverflowError instead of flowing into answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from clef_cuda.cache import TrunkCache
+from clef_cuda.config import LINEAR_ATTENTION, TrunkConfig
+from clef_cuda.errors import NumericalOverflowError
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class SequenceChunk:
+    """Host-side description of one sequence's part of a chunk."""
+
+    token_ids: list[int]
+    start: int  # position of token_ids[0] in the sequence
+    state_slot: int  # delta-net state slot
+    block_ids: list[int]  # KV blocks of the sequence, covering positions [0, start + len(token_ids))
+
+
+@dataclass
+class ChunkBatch:
+    """Device tensors for one trunk step over B sequences with N new tokens in total."""
+
+    input_ids: Tensor  # [N] int64
+    positions: Tensor  # [N] int64, absolute positions
+    cu_seqlens: Tensor  # [B+1] int32
+    state_slots: Tensor  # [B] int32
+    has_initial_state: Tensor  # [B] bool: the slot holds the state after `start` tokens
+    slot_mapping: Tensor  # [N] int32: KV cache slot of each new token
+    block_tables: Tensor  # [B, max_blocks] int32
+    context_lens: Tensor  # [B] int32: keys each sequence attends after this chunk is written
+
+    @classmethod
+    def build(cls, chunks: list[SequenceChunk], block_size: int, device) -> ChunkBatch:
+        ids, positions, slot_mapping, cu = [], [], [], [0]
+        for c in chunks:
+            n = len(c.token_ids)
+            if len(c.block_ids) * block_size < c.start + n:
+                raise ValueError(f"{len(c.block_ids)} blocks cannot hold {c.start + n} tokens")
+            ids += c.token_ids
+            span = range(c.start, c.start + n)
+            positions += span
+            slot_mapping += [c.block_ids[p // block_size] * block_size + p % block_size for p in span]
+            cu.append(cu[-1] + n)
+        max_blocks = max(1, max(len(c.block_ids) for c in chunks))
+        tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            input_ids=tensor(ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            cu_seqlens=tensor(cu, torch.int32),
+            state_slots=tensor([c.state_slot for c in chunks], torch.int32),
+            has_initial_state=tensor([c.start > 0 for c in chunks], torch.bool),
+            slot_mapping=tensor(slot_mapping, torch.int32),
+            block_tables=tensor(tables, torch.int32),
+            context_lens=tensor([c.start + len(c.token_ids) for c in chunks], torch.int32),
+        )
+
+
+@dataclass
+class _DeltaNetWeights:
+    in_proj: Tensor  # [conv_dim + value_dim + 2 Hv, H]: q|k|v, z, b, a fused into one GEMM
+    conv_weight: Tensor  # [conv_dim, K] fp32
+    decay_rate: Tensor  # exp(A_log) [Hv] fp32
+    dt_bias: Tensor  # [Hv] fp32
+    norm_weight: Tensor  # [Dv] fp32 (stored as-is: not zero-centred)
+    out_proj: Tensor
+
+
+@dataclass
+class _AttentionWeights:
+    qkv_proj: Tensor  # [Hq 2D + 2 Hkv D, H]: query|gate per head, then k, then v
+    q_scale: Tensor  # 1 + q_norm.weight, fp32
+    k_scale: Tensor
+    o_proj: Tensor
+
+
+@dataclass
+class _LayerWeights:
+    kind: str
+    input_scale: Tensor  # 1 + input_layernorm.weight, fp32
+    post_scale: Tensor
+    mixer: _DeltaNetWeights | _AttentionWeights
+    gate_up: Tensor  # [2 I, H]
+    down: Tensor
+
+
+def rms_norm(x: Tensor, scale: Tensor, eps: float) -> Tensor:
+    """fp32 RMSNorm; `scale` is the effective gain (1 + w for Qwen's zero-centred weights)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
+
+
+class Trunk:
+    """Qwen3.5 text trunk over packed chunks. `ops` is clef_cuda.ops (tests may pass another OpLibrary)."""
+
+    def __init__(self, config: TrunkConfig, weights: dict[str, Tensor], dtype: torch.dtype, ops=None) -> None:
+        if ops is None:
+            from clef_cuda import ops
+        self.config, self.dtype, self.ops = config, dtype, ops
+        self.embed = weights["embed_tokens.weight"]
+        self.lm_head = weights["lm_head.weight"]
+        self.final_scale = 1.0 + weights["norm.weight"].float()
+        device = self.embed.device
+        half = config.rotary_dim // 2
+        self.inv_freq = 1.0 / (
+            config.rope_theta ** (torch.arange(0, half, dtype=torch.float32, device=device) * 2 / config.rotary_dim)
+        )
+        self.layers = [self._layer(weights, i, kind) for i, kind in enumerate(config.layer_types)]
+
+    def _layer(self, w: dict[str, Tensor], index: int, kind: str) -> _LayerWeights:
+        p = f"layers.{index}."
+
+        def fuse(*names: str) -> Tensor:
+            # Concatenate, then drop the parts: the fused copy replaces them (no second copy of the model).
+            fused = torch.cat([w.pop(p + n) for n in names])
+            return fused
+
+        if kind == LINEAR_ATTENTION:
+            mixer = _DeltaNetWeights(
+                in_proj=fuse(
+                    "linear_attn.in_proj_qkv.weight",
+                    "linear_attn.in_proj_z.weight",
+                    "linear_attn.in_proj_b.weight",
+                    "linear_attn.in_proj_a.weight",
+                ),
+                conv_weight=w[p + "linear_attn.conv1d.weight"].float().squeeze(1).contiguous(),
+                decay_rate=w[p + "linear_attn.A_log"].float().exp(),
+                dt_bias=w[p + "linear_attn.dt_bias"].float(),
+                norm_weight=w[p + "linear_attn.norm.weight"].float(),
+                out_proj=w[p + "linear_attn.out_proj.weight"],
+            )
+        else:
+            mixer = _AttentionWeights(
+                qkv_proj=fuse("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                q_scale=1.0 + w[p + "self_attn.q_norm.weight"].float(),
+                k_scale=1.0 + w[p + "self_attn.k_norm.weight"].float(),
+                o_proj=w[p + "self_attn.o_proj.weight"],
+            )
+        return _LayerWeights(
+            kind=kind,
+            input_scale=1.0 + w[p + "input_layernorm.weight"].float(),
+            post_scale=1.0 + w[p + "post_attention_layernorm.weight"].float(),
+            mixer=mixer,
+            gate_up=fuse("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+            down=w[p + "mlp.down_proj.weight"],
+        )
+
+    # ---- forward --------------------------------------------------------------------------------
+    def forward(self, batch: ChunkBatch, cache: TrunkCache) -> Tensor:
+        """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place."""
+        eps = self.config.rms_norm_eps
+        x = self.embed[batch.input_ids].float()  # the residual stream stays fp32
+        cos, sin = self._rope(batch.positions)
+        linear_index = attention_index = 0
+        for layer in self.layers:
+            h = rms_norm(x, layer.input_scale, eps).to(self.dtype)
+            if layer.kind == LINEAR_ATTENTION:
+                x = x + self._delta_net(layer.mixer, h, batch, cache, linear_index)
+                linear_index += 1
+            else:
+                x = x + self._attention(layer.mixer, h, batch, cache, attention_index, cos, sin)
+                attention_index += 1
+            h = rms_norm(x, layer.post_scale, eps).to(self.dtype)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down).float()
+        out = rms_norm(x, self.final_scale, eps)
+        if not torch.isfinite(out).all():
+            raise NumericalOverflowError(
+                f"non-finite hidden states in a {self.dtype} forward pass (an overflow of the serving dtype); "
+                "serve with --dtype bf16 or f32"
+            )
+        return out
+
+    def _delta_net(self, w: _DeltaNetWeights, h: Tensor, batch: ChunkBatch, cache: TrunkCache, i: int) -> Tensor:
+        c = self.config
+        n, hv, dv = h.shape[0], c.linear_num_value_heads, c.linear_value_head_dim
+        proj = F.linear(h, w.in_proj)
+        mixed = proj[:, : c.conv_dim]  # a strided view: the conv reads it in place
+        z = proj[:, c.conv_dim : c.conv_dim + c.value_dim]
+        b = proj[:, c.conv_dim + c.value_dim : c.conv_dim + c.value_dim + hv]
+        a = proj[:, c.conv_dim + c.value_dim + hv :]
+        conv = self.ops.causal_conv1d_fwd(
+            mixed,
+            w.conv_weight,
+            None,
+            cache.conv_states[i],
+            batch.cu_seqlens,
+            batch.state_slots,
+            batch.has_initial_state,
+        )
+        # The key band is channels [key_dim, 2 key_dim): the one the seed's conv lost.
+        q = conv[:, : c.key_dim].view(n, c.linear_num_key_heads, c.linear_key_head_dim)
+        k = conv[:, c.key_dim : 2 * c.key_dim].view(n, c.linear_num_key_heads, c.linear_key_head_dim)
+        v = conv[:, 2 * c.key_dim :].view(n, hv, dv)
+        beta = torch.sigmoid(b.float())
+        g = -w.decay_rate * F.softplus(a.float() + w.dt_bias)
+        core = self.ops.gated_delta_rule_chunk(
+            q, k, v, g, beta, cache.gdr_states[i], batch.cu_seqlens, batch.state_slots, batch.has_initial_state
+        )
+        core = core.float()
+        normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w.norm_weight
+        gated = normed * F.silu(z.float().view(n, hv, dv))
+        return F.linear(gated.reshape(n, c.value_dim).to(self.dtype), w.out_proj).float()
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, rotary/2]
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """NeoX rotate-half RoPE on the first rotary_dim dims of each head (x fp32 [N, heads, D])."""
+        half = self.config.rotary_dim // 2
+        x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+    def _attention(
+        self, w: _AttentionWeights, h: Tensor, batch: ChunkBatch, cache: TrunkCache, i: int, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        c = self.config
+        n, hq, hkv, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = F.linear(h, w.qkv_proj)
+        query_gate = qkv[:, : hq * 2 * d].view(n, hq, 2 * d)
+        k = qkv[:, hq * 2 * d : hq * 2 * d + hkv * d].view(n, hkv, d)
+        v = qkv[:, hq * 2 * d + hkv * d :].view(n, hkv, d)
+        q = self._rotate(rms_norm(query_gate[..., :d], w.q_scale, c.rms_norm_eps), cos, sin)
+        k = self._rotate(rms_norm(k, w.k_scale, c.rms_norm_eps), cos, sin)
+        key_cache, value_cache = cache.key_cache[i], cache.value_cache[i]
+        self.ops.reshape_and_cache(k.to(self.dtype), v, key_cache, value_cache, batch.slot_mapping)
+        attn = self.ops.paged_attention(
+            q.to(self.dtype), key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables
+        )
+        gated = attn.float() * torch.sigmoid(query_gate[..., d:].float())
+        return F.linear(gated.reshape(n, hq * d).to(self.dtype), w.o_proj).float()

@@ -1,0 +1,249 @@
+"""Release directory -> tensors on the serving device.
+
+Reads only safetensors (never Python from the model directory): the trunk from model.safetensors or the
+shards listed in model.safetensors.index.json, the head from joint_head.safetensors. Tensors stream one
+at a time from the memory-mapped files, are converted (bf16 -> the serving dtype; norms, decay
+parameters and conv weights to fp32) and moved to the device, so host memory stays near one shard and
+the model is never held twice. Every missing, unexpected or mis-shaped tensor fails naming tensor and file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from clef_cuda.config import FULL_ATTENTION, HeadConfig, ReleaseConfig, TrunkConfig
+from clef_cuda.errors import ReleaseError
+
+SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+HEAD_FILE = "joint_head.safetensors"
+
+# Kept in fp32 whatever the serving dtype: small, and precision-critical (norm gains, decay rates, the
+# conv taps the kernels read as fp32).
+FP32_SUFFIXES = ("layernorm.weight", "norm.weight", "A_log", "dt_bias", "conv1d.weight")
+
+
+@dataclass
+class ReleaseWeights:
+    trunk: dict[str, torch.Tensor]  # names relative to the text model ("layers.0.mlp.up_proj.weight"), plus lm_head
+    head: dict[str, torch.Tensor]  # joint_head.safetensors names
+
+
+def trunk_shapes(config: TrunkConfig) -> dict[str, tuple[int, ...]]:
+    """Every trunk tensor a release must contain, with its shape (lm_head only when untied)."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (v, h), "norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for layer, kind in enumerate(config.layer_types):
+        p = f"layers.{layer}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if kind == FULL_ATTENTION:
+            d, hq, hkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+            shapes |= {
+                p + "self_attn.q_proj.weight": (hq * 2 * d, h),
+                p + "self_attn.k_proj.weight": (hkv * d, h),
+                p + "self_attn.v_proj.weight": (hkv * d, h),
+                p + "self_attn.o_proj.weight": (h, hq * d),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+            }
+        else:
+            hv = config.linear_num_value_heads
+            shapes |= {
+                p + "linear_attn.in_proj_qkv.weight": (config.conv_dim, h),
+                p + "linear_attn.in_proj_z.weight": (config.value_dim, h),
+                p + "linear_attn.in_proj_b.weight": (hv, h),
+                p + "linear_attn.in_proj_a.weight": (hv, h),
+                p + "linear_attn.out_proj.weight": (h, config.value_dim),
+                p + "linear_attn.conv1d.weight": (config.conv_dim, 1, config.linear_conv_kernel_dim),
+                p + "linear_attn.A_log": (hv,),
+                p + "linear_attn.dt_bias": (hv,),
+                p + "linear_attn.norm.weight": (config.linear_value_head_dim,),
+            }
+    return shapes
+
+
+def _norm_shapes(name: str, width: int) -> dict[str, tuple[int, ...]]:
+    return {f"{name}.weight": (width,), f"{name}.bias": (width,)}
+
+
+def _attention_shapes(name: str, width: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{name}.in_proj_weight": (3 * width, width),
+        f"{name}.in_proj_bias": (3 * width,),
+        f"{name}.out_proj.weight": (width, width),
+        f"{name}.out_proj.bias": (width,),
+    }
+
+
+def head_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Every joint-head tensor, with its shape (122 tensors for clef-flash's head)."""
+    h, w, ff = config.hidden_size, config.width, config.feedforward
+    shapes: dict[str, tuple[int, ...]] = {"prior_logit_scale": (), "joint_logit_scale": (), "residual_gate": ()}
+    shapes |= _norm_shapes("hidden_norm", h)
+    for name in (
+        "memory_projection",
+        "question_projection",
+        "option_question_projection",
+        "global_projection",
+        "option_context_projection",
+        "option_lexical_projection",
+    ):
+        shapes[f"{name}.weight"] = (w, h)
+    shapes["type_embedding.weight"] = (3, w)
+    for layer in range(config.routing_layers):
+        p = f"evidence_layers.{layer}"
+        for norm in ("query_norm", "memory_norm", "feedforward_norm"):
+            shapes |= _norm_shapes(f"{p}.{norm}", w)
+        shapes |= _attention_shapes(f"{p}.attention", w)
+        shapes |= {f"{p}.feedforward.0.weight": (ff, w), f"{p}.feedforward.0.bias": (ff,)}
+        shapes |= {f"{p}.feedforward.3.weight": (w, ff), f"{p}.feedforward.3.bias": (w,)}
+    shapes |= _norm_shapes("option_summary_norm", w)
+    for layer in range(config.layers):
+        p = f"layers.{layer}"
+        shapes |= _attention_shapes(f"{p}.self_attn", w) | _attention_shapes(f"{p}.multihead_attn", w)
+        shapes |= {f"{p}.linear1.weight": (ff, w), f"{p}.linear1.bias": (ff,)}
+        shapes |= {f"{p}.linear2.weight": (w, ff), f"{p}.linear2.bias": (w,)}
+        for norm in ("norm1", "norm2", "norm3"):
+            shapes |= _norm_shapes(f"{p}.{norm}", w)
+    shapes |= _norm_shapes("field_norm", w) | _norm_shapes("option_norm", w)
+    shapes |= {"residual_scorer.0.weight": (w, 4 * w), "residual_scorer.0.bias": (w,)}
+    shapes |= {"residual_scorer.3.weight": (1, w), "residual_scorer.3.bias": (1,)}
+    return shapes
+
+
+def trunk_files(model_dir: Path) -> dict[str, list[str]]:
+    """file name -> the tensor names the index says it holds ([] for a single model.safetensors: all)."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ReleaseError(f"{index}: not a safetensors index (expected a 'weight_map' object): {error}") from error
+        if not isinstance(weight_map, dict):
+            raise ReleaseError(f"{index}: 'weight_map' must map tensor names to file names")
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or "/" in file or "\\" in file or file.startswith("."):
+                raise ReleaseError(f"{index}: tensor {name} maps to {file!r}, not a file name in the release directory")
+            files.setdefault(file, []).append(name)
+        for file in files:
+            if not (model_dir / file).is_file():
+                raise ReleaseError(f"{model_dir / file}: missing (listed in {INDEX_FILE})")
+        return files
+    if (model_dir / SINGLE_FILE).is_file():
+        return {SINGLE_FILE: []}
+    raise ReleaseError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}: not a clef-flash release directory")
+
+
+def _open(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ReleaseError(f"{path}: not a readable safetensors file ({error})") from error
+
+
+def _tensors(path: Path, names: list[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from one safetensors file, lazily (memory-mapped)."""
+    from safetensors import SafetensorError
+
+    handle = _open(path)
+    with handle as f:
+        keys = list(f.keys())
+        if names:
+            missing = sorted(set(names) - set(keys))
+            if missing:
+                raise ReleaseError(f"{path}: does not hold {missing[0]} (the index says it does)")
+            keys = [k for k in keys if k in set(names)]
+        for name in keys:
+            try:
+                yield name, f.get_tensor(name)
+            except (SafetensorError, OSError, RuntimeError, ValueError) as error:
+                raise ReleaseError(f"{path}: tensor {name} is unreadable ({error}); is the file truncated?") from error
+
+
+def serving_dtype_for(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+
+
+def _place(
+    name: str, tensor: torch.Tensor, expected: tuple[int, ...], dtype: torch.dtype, device, path: Path
+) -> torch.Tensor:
+    if tuple(tensor.shape) != expected:
+        raise ReleaseError(f"{path}: tensor {name} has shape {list(tensor.shape)}, expected {list(expected)}")
+    if not tensor.is_floating_point():
+        raise ReleaseError(f"{path}: tensor {name} has dtype {tensor.dtype}, expected a floating-point type")
+    return tensor.to(device=device, dtype=dtype)
+
+
+def load_release_weights(
+    model_dir: str | Path,
+    config: ReleaseConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    head_dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> ReleaseWeights:
+    """Stream the trunk (in `dtype`, fp32 for norms/decays/conv) and head (in `head_dtype`) onto `device`."""
+    from tqdm import tqdm
+
+    model_dir = Path(model_dir)
+    expected_trunk = trunk_shapes(config.trunk)
+    expected_head = head_shapes(config.head)
+    files = trunk_files(model_dir)
+    head_path = model_dir / HEAD_FILE
+    if not head_path.is_file():
+        raise ReleaseError(f"{head_path}: missing (the joint schema head)")
+    trunk: dict[str, torch.Tensor] = {}
+    head: dict[str, torch.Tensor] = {}
+    bar = tqdm(
+        total=len(expected_trunk) + len(expected_head),
+        desc=f"loading {model_dir.name or model_dir}",
+        unit="tensor",
+        disable=not progress,
+        file=sys.stderr,
+    )
+    prefix = config.weight_prefix
+    with bar:
+        for file, names in sorted(files.items()):
+            path = model_dir / file
+            for name, tensor in _tensors(path, names):
+                if name.startswith(SKIPPED_PREFIXES):
+                    continue
+                key = name[len(prefix) :] if name.startswith(prefix) else name
+                if key not in expected_trunk or (key == name and name != "lm_head.weight"):
+                    raise ReleaseError(f"{path}: unexpected tensor {name} (not part of the configured trunk)")
+                if key in trunk:
+                    raise ReleaseError(f"{path}: tensor {name} appears twice in the release")
+                trunk[key] = _place(name, tensor, expected_trunk[key], serving_dtype_for(key, dtype), device, path)
+                del tensor
+                bar.update(1)
+        for name, tensor in _tensors(head_path, None):
+            if name not in expected_head:
+                raise ReleaseError(f"{head_path}: unexpected tensor {name} (not part of the configured head)")
+            head[name] = _place(name, tensor, expected_head[name], head_dtype, device, head_path)
+            bar.update(1)
+    for where, expected, got in ((model_dir, expected_trunk, trunk), (head_path, expected_head, head)):
+        missing = [n for n in expected if n not in got]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ReleaseError(f"{where}: missing tensor {missing[0]}{more}")
+    if config.trunk.tie_word_embeddings:
+        trunk["lm_head.weight"] = trunk["embed_tokens.weight"]
+    return ReleaseWeights(trunk=trunk, head=head)
