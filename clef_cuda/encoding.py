@@ -28,24 +28,46 @@ NOUL_DEFAULTS = {
 STATE_OVERFLOW_POLICIES = ("reject", "truncate")
 
 
+# Qwen3.5's pre-tokenizer split (transformers' Qwen3_5Tokenizer): digits one by one, letters with marks.
+QWEN35_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 class Tokenizer:
-    """tokenizer.json through the `tokenizers` library. Special tokens written in the text (<|im_start|>...)
-    are matched as the release's added tokens; no BOS/EOS is added (add_special_tokens=False)."""
+    """The release's tokenizer.json through the `tokenizers` library, as the reference tokenises.
+
+    The reference loads it as transformers' Qwen3_5Tokenizer, which keeps tokenizer.json's vocabulary,
+    merges and added tokens but always applies Qwen3.5's own text pipeline: NFC normalisation, the Qwen
+    regex split, byte-level mapping. So does this class (for clef-flash's own tokenizer.json that pipeline
+    is what the file says anyway). Special tokens written in the text (<|im_start|>...) are matched as
+    added tokens; no BOS/EOS is added."""
 
     def __init__(self, backend) -> None:
         self._backend = backend
 
     @classmethod
     def from_release(cls, model_dir: str | Path) -> Tokenizer:
+        from tokenizers import Regex, decoders, normalizers, pre_tokenizers
         from tokenizers import Tokenizer as Backend
 
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise ReleaseError(f"{path}: missing (the release's tokenizer)")
         try:
-            return cls(Backend.from_file(str(path)))
+            backend = Backend.from_file(str(path))
         except Exception as error:  # the Rust side raises plain Exception subclasses
             raise ReleaseError(f"{path}: not a readable tokenizer.json ({error})") from error
+        backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        backend.decoder = decoders.ByteLevel()
+        return cls(backend)
 
     @property
     def vocab_size(self) -> int:

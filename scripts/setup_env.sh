@@ -25,7 +25,10 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
   pip install -q "torch==$TORCH_VERSION"
 fi
 echo "== installing test and lint dependencies"
-pip install -q -r requirements-dev.txt
+pip install -q -r requirements-dev.txt "torch==$TORCH_VERSION"
+# The upstream reference (clef_finetune/_vendor/joint_schema_model.py) is a test oracle; its own
+# dependencies (peft, datasets, ...) are for fine-tuning and not needed.
+pip install -q --no-deps clef-finetune==0.1.0
 
 # FLA's naive.py is an oracle loaded by file path. Installed as a package, fla would make transformers
 # route its Qwen3.5 fallbacks (our other oracles) to Triton kernels that cannot run on a CPU.

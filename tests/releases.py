@@ -1,0 +1,198 @@
+"""Tiny random releases in the real clef-flash layout, for tests (no real weights can be downloaded here).
+
+`clef_finetune.tiny.build_tiny_release` writes the upstream one; `build_release` here writes others with
+different shapes (Hv = 2 Hk, several full-attention layers, other head dims), a BPE tokenizer trained on
+a fixed corpus (multi-byte merges, unlike the tiny release's byte-level vocabulary), optionally sharded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<think>",
+    "</think>",
+]
+
+CORPUS = [
+    "Checkout has been failing for every customer for the last hour. Orders are blocked.",
+    "Support is getting refund demands. The proposition is true or the answer is yes.",
+    "Which team should handle the message? Payments, invoices, or refunds. Bugs, outages.",
+    '{"description":"New purchases or upgrades","option_id":"sales"} SCHEMA FIELDS: FIELD ID TYPE',
+    "INSTRUCTION: ALLOWED OPTIONS: OPTION END FIELD JOINT SCHEMA DECISIONS: Read the complete state",
+    "café naïve 部門 緊急 urgência ticket log line order shipped delayed ERROR WARN 2026-11-30",
+] * 4
+
+
+def _bpe_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens={
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>",
+        },
+    )
+
+
+MID_TEXT = dict(
+    hidden_size=96,
+    intermediate_size=160,
+    num_hidden_layers=6,
+    layer_types=[
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+    ],
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+    initializer_range=0.08,
+)
+MID_HEAD = {"hidden_size": 96, "width": 48, "routing_layers": 2, "layers": 2, "heads": 4, "feedforward": 80}
+
+
+def build_release(
+    out_dir: str | Path,
+    text: dict = MID_TEXT,
+    head: dict = MID_HEAD,
+    vocab_size: int = 700,
+    seed: int = 0,
+    max_shard_size: str | None = "300KB",
+) -> Path:
+    from clef_finetune.jsm import load_jsm
+    from safetensors.torch import save_file
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    tokenizer = _bpe_tokenizer(vocab_size)
+    ids = tokenizer.convert_tokens_to_ids
+    text_config = dict(
+        text,
+        vocab_size=vocab_size,
+        max_position_embeddings=65536,
+        tie_word_embeddings=False,
+        eos_token_id=ids("<|im_end|>"),
+        pad_token_id=ids("<|endoftext|>"),
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text["hidden_size"],
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+    )
+    config = Qwen3_5Config(
+        text_config=text_config,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+    model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
+    with torch.no_grad():  # decays spread over a realistic range, norms away from their init
+        for layer in model.model.language_model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.uniform_(-1.0, 1.5)
+                layer.linear_attn.dt_bias.normal_(0.0, 0.5)
+            layer.input_layernorm.weight.normal_(0.0, 0.2)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
+        video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
+        tokenizer=tokenizer,
+        chat_template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+    )
+    processor.save_pretrained(out)
+    joint = load_jsm().JointSchemaHead(**head)
+    with torch.no_grad():  # trained-looking gates, so the joint path matters
+        joint.residual_gate.fill_(0.7)
+        joint.joint_logit_scale.fill_(1.5)
+        joint.prior_logit_scale.fill_(0.5)
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in joint.state_dict().items()},
+        str(out / "joint_head.safetensors"),
+    )
+    (out / "joint_head_config.json").write_text(json.dumps(head, indent=2))
+    return out
+
+
+@functools.cache
+def tiny_release() -> Path:
+    """The upstream tiny release (clef_finetune.tiny), built once per test session."""
+    from clef_finetune.tiny import build_tiny_release
+
+    return build_tiny_release(Path(tempfile.mkdtemp(prefix="clef-tiny-")) / "release")
+
+
+@functools.cache
+def mid_release() -> Path:
+    """Our second release: other shapes, a BPE tokenizer, sharded safetensors."""
+    return build_release(Path(tempfile.mkdtemp(prefix="clef-mid-")) / "release")
+
+
+@functools.cache
+def reference_model(path: Path):
+    """The upstream reference (model, processor) in fp32 on the CPU."""
+    from clef_finetune.jsm import load_jsm
+
+    jsm = load_jsm()
+    model, processor = jsm.load_release_model(path, device="cpu", dtype=torch.float32)
+    return jsm, model, processor

@@ -1,0 +1,257 @@
+"""Decisions against the upstream reference (clef_finetune's vendored joint_schema_model.py, fp32, CPU):
+identical token ids and spans, probabilities within 1e-4, on the upstream tiny release and on a second
+release with other shapes and a BPE tokenizer; and the key-band bug caught at model level."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from random_requests import features, random_request
+from releases import mid_release, reference_model, tiny_release
+
+from clef_cuda import Decider, ops
+from clef_cuda.errors import RequestError, RequestTooLongError
+
+PROBABILITY_TOLERANCE = 1e-4
+COVERAGE = {
+    "type:noul",
+    "type:choice",
+    "type:score",
+    "unicode id",
+    "unicode option",
+    "state:str",
+    "state:dict",
+    "state:list",
+    "instructions:str",
+    "instructions:dict",
+    "instructions:NoneType",
+    "instructions:missing",
+    "null description",
+    "noul one-sided",
+    "choice 255",
+    "score 2",
+    "score 10",
+}
+
+
+def requests(seed: int, count: int) -> list[dict]:
+    rng = random.Random(seed)
+    out = [random_request(rng) for _ in range(count - 2)]
+    out.append(random_request(rng, state_words=(600, 900)))  # a long state: several prefill chunks
+    wide = random_request(rng)
+    wide["questions"]["wide"] = {
+        "type": "choice",
+        "instructions": "pick one",
+        "criteria": {f"o{i}": (None if i % 3 else "d") for i in range(255)},
+    }
+    out.append(wide)
+    return out
+
+
+def reference_probabilities(jsm, model, processor, request) -> tuple[object, list[list[float]]]:
+    record = jsm.encode_record(processor.tokenizer, request)
+    batch = jsm.collate_records([record], processor.tokenizer.pad_token_id, torch.device("cpu"))
+    with torch.inference_mode():
+        logits = model(batch)[0]
+    return record, [question_logits.float().softmax(-1).tolist() for question_logits in logits]
+
+
+def check_against_reference(decider: Decider, reference, request) -> float:
+    """Asserts ids/spans identical and probabilities within tolerance; returns the largest difference."""
+    jsm, model, processor = reference
+    ours = decider.encode(request)
+    theirs, reference_probs = reference_probabilities(jsm, model, processor, request)
+    assert ours.input_ids == theirs.input_ids
+    for q, r in zip(ours.questions, theirs.questions, strict=True):
+        assert (q.question_id, q.span, q.option_spans, q.option_ids, q.type_id) == (
+            r.question_id,
+            r.question_span,
+            r.option_spans,
+            r.option_ids,
+            r.question_type,
+        )
+    our_probs = decider.probabilities(ours)
+    worst = max(abs(a - b) for x, y in zip(our_probs, reference_probs, strict=True) for a, b in zip(x, y, strict=True))
+    assert worst < PROBABILITY_TOLERANCE, f"probabilities differ by {worst:.2e}"
+    return worst
+
+
+def assert_same_response(ours: dict, theirs: dict) -> None:
+    """Equal bodies, numbers within the tolerance plus the 4-decimal rounding step."""
+    assert list(ours) == list(theirs) and ours["usage"] == theirs["usage"] and ours["model"] == theirs["model"]
+    assert list(ours["answers"]) == list(theirs["answers"])
+
+    def same(a, b):
+        if isinstance(a, float) or isinstance(b, float):
+            return abs(a - b) <= PROBABILITY_TOLERANCE + 1e-9
+        if isinstance(a, dict):
+            return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        return a == b
+
+    assert same(ours["answers"], theirs["answers"]), (ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = tiny_release()
+    return Decider.from_release(path, device="cpu", progress=False, chunk_size=96), reference_model(path)
+
+
+@pytest.fixture(scope="module")
+def mid():
+    path = mid_release()
+    return Decider.from_release(path, device="cpu", progress=False, chunk_size=128), reference_model(path)
+
+
+def test_random_requests_cover_the_contract():
+    covered = set().union(*(features(r) for r in requests(0, 52) + requests(1, 22)))
+    assert COVERAGE <= covered, COVERAGE - covered
+
+
+def test_tiny_release_matches_reference(tiny):
+    decider, reference = tiny
+    worst = max(check_against_reference(decider, reference, r) for r in requests(0, 52))
+    assert worst < PROBABILITY_TOLERANCE
+
+
+def test_second_release_matches_reference(mid):
+    decider, reference = mid
+    worst = max(check_against_reference(decider, reference, r) for r in requests(1, 22))
+    assert worst < PROBABILITY_TOLERANCE
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_decide_equals_reference_systemone(tiny, seed):
+    decider, (jsm, model, processor) = tiny
+    request = random_request(random.Random(seed))
+    assert_same_response(decider.decide(request), jsm.systemone(model, processor, request))
+
+
+def test_published_example_request_shape(tiny):
+    """The irr/clef-flash test request (the three question types) through the whole path."""
+    decider, (jsm, model, processor) = tiny
+    state = (
+        "Checkout has been failing for every customer for the last hour. Orders are blocked and support is "
+        "getting refund demands."
+    )
+    request = {
+        "model": "clef-flash",
+        "state": state,
+        "questions": {
+            "outage": {"type": "noul", "instructions": "Is a service down?"},
+            "department": {
+                "type": "choice",
+                "instructions": "Which team should handle the message?",
+                "criteria": {
+                    "billing": "Payments, invoices, or refunds",
+                    "technical": "Bugs, outages, or blocked orders",
+                    "sales": "New purchases or upgrades",
+                },
+            },
+            "urgency": {
+                "type": "score",
+                "instructions": "How soon does this need a response?",
+                "criteria": ["Can wait", "This week", "Today"],
+            },
+        },
+    }
+    ours = decider.decide(request)
+    assert_same_response(ours, jsm.systemone(model, processor, request))
+    assert list(ours["answers"]["department"]["probabilities"]) == ["billing", "technical", "sales"]
+
+
+def test_chunking_does_not_change_answers(tiny):
+    decider, _ = tiny
+    record = decider.encode(requests(7, 3)[-2])  # the long-state request
+    n = record.num_tokens
+    one_pass = decider.probabilities(record, [n])
+    odd = decider.probabilities(record, [1, 63, 64, 65, n - 193])
+    worst = max(abs(a - b) for x, y in zip(one_pass, odd, strict=True) for a, b in zip(x, y, strict=True))
+    assert worst < 1e-6
+
+
+# ---- the seed's bug at model level ----------------------------------------------------------------
+class KeyBandZeroedOps:
+    """Test-only fault injection: clef_cuda.ops with the seed's broken conv (key band zeroed)."""
+
+    def __init__(self, key_dim: int) -> None:
+        self.key_dim = key_dim
+
+    def causal_conv1d_fwd(self, *args, **kwargs):
+        out = ops.causal_conv1d_fwd(*args, **kwargs)
+        out[:, self.key_dim : 2 * self.key_dim] = 0
+        return out
+
+    def __getattr__(self, name):
+        return getattr(ops, name)
+
+
+def test_zeroed_key_band_is_caught_by_the_parity_check(mid):
+    healthy, reference = mid
+    path = mid_release()
+    broken = Decider.from_release(
+        path, device="cpu", progress=False, chunk_size=128, ops=KeyBandZeroedOps(healthy.config.trunk.key_dim)
+    )
+    caught, moved = 0, []
+    for request in requests(11, 6):
+        record = healthy.encode(request)
+        good, bad = healthy.probabilities(record), broken.probabilities(record)
+        moved.append(max(abs(a - b) for x, y in zip(good, bad, strict=True) for a, b in zip(x, y, strict=True)))
+        with pytest.raises(AssertionError, match="probabilities differ"):
+            check_against_reference(broken, reference, request)
+        caught += 1
+    assert caught == 6
+    assert min(moved) > 10 * PROBABILITY_TOLERANCE, moved  # the answers really move, on every request
+
+
+# ---- request errors -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body, where",
+    [
+        ({"state": "s", "questions": {"q": {"type": "noul"}}}, ("model",)),
+        ({"model": "m", "questions": {"q": {"type": "noul"}}}, ("state",)),
+        ({"model": "m", "state": "s", "questions": {}}, ("questions",)),
+        ({"model": "m", "state": "s", "questions": {"q": {"type": "yesno"}}}, ("questions", "q", "type")),
+        ({"model": "m", "state": "s", "questions": {"q": {"type": "choice"}}}, ("questions", "q", "criteria")),
+        (
+            {"model": "m", "state": "s", "questions": {"q": {"type": "score", "criteria": {"0": "a"}}}},
+            ("questions", "q", "criteria"),
+        ),
+        (
+            {"model": "m", "state": "s", "questions": {"q": {"type": "choice", "criteria": ["a", "b"]}}},
+            ("questions", "q", "criteria"),
+        ),
+    ],
+)
+def test_invalid_requests_raise_request_errors(tiny, body, where):
+    decider, _ = tiny
+    with pytest.raises(RequestError) as info:
+        decider.decide(body)
+    assert info.value.loc == where
+
+
+def test_over_budget_is_rejected_with_counts_or_truncated_on_request(tiny):
+    decider, (jsm, model, processor) = tiny
+    request = {"model": "clef-flash", "state": "x " * 3000, "questions": {"q": {"type": "noul"}}}
+    strict = Decider(
+        decider.config, decider.trunk, decider.head, decider.tokenizer, type(decider.options)(max_length=2000)
+    )
+    with pytest.raises(RequestTooLongError) as info:
+        strict.decide(request)
+    assert info.value.max_tokens == 2000 and info.value.input_tokens > 2000
+    assert str(info.value.input_tokens) in str(info.value)
+    lenient = Decider(
+        decider.config,
+        decider.trunk,
+        decider.head,
+        decider.tokenizer,
+        type(decider.options)(max_length=2000, state_overflow="truncate"),
+    )
+    body = lenient.decide(request)
+    assert body["usage"]["input_tokens"] == 2000
+    assert body["x_truncated_state_tokens"] == info.value.input_tokens - 2000
+    reference = jsm.systemone(model, processor, request, max_length=2000)
+    del body["x_truncated_state_tokens"]
+    assert_same_response(body, reference)
