@@ -32,7 +32,7 @@ class DecisionOptions:
     max_length: int = 16384  # token budget per record (the reference's limit)
     state_overflow: str = "reject"  # or "truncate": keep the head of the state (the reference's behaviour)
     confidence: str = "clef"  # or "typesafe"
-    chunk_size: int = 1024  # prefill chunk (tokens per trunk step)
+    chunk_size: int = 2048  # prefill chunk (tokens per trunk step): bounds activation memory
 
 
 class Decider:

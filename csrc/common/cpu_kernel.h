@@ -50,15 +50,17 @@ CLEF_INLINE float exp_vec(float x) {
 
 CLEF_INLINE float silu_vec(float x) { return x / (1.0f + exp_vec(-x)); }
 
-// exp_vec on 16 lanes, branch-free: the same clamps, reduction and polynomial, rounding n to nearest with
-// the 1.5 * 2^23 trick (exact for |x log2 e| < 2^22, which the clamp guarantees).
+// exp_vec on 16 lanes, branch-free: the same reduction and polynomial, rounding n to nearest with the
+// 1.5 * 2^23 trick (exact for |x log2 e| < 2^22, which the clamp guarantees). Below -88 the clamp gives
+// n = -127, an all-zero scale, so the result is exactly 0 without a compare-and-select (the select
+// version compiled to per-lane scalar compares inside the cloned kernels).
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 CLEF_INLINE vf16 broadcast(float x) { return vf16{} + x; }
+CLEF_INLINE vf16 vmax(vf16 a, vf16 b) { return a > b ? a : b; }
+CLEF_INLINE vf16 vmin(vf16 a, vf16 b) { return a < b ? a : b; }
 CLEF_INLINE vf16 exp_vf16(vf16 x) {
-  const vf16 lo = broadcast(-87.33654f), hi = broadcast(88.0f), magic = broadcast(12582912.0f);
-  const vi16 underflow = x < lo;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
+  const vf16 magic = broadcast(12582912.0f);
+  x = vmin(vmax(x, broadcast(-88.0f)), broadcast(88.0f));
   const vf16 n = (x * 1.44269504088896341f + magic) - magic;
   vf16 r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -69,9 +71,8 @@ CLEF_INLINE vf16 exp_vf16(vf16 x) {
   poly = poly * r + 1.6666665459e-1f;
   poly = poly * r + 5.0000001201e-1f;
   const vf16 y = poly * r * r + r + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  const vf16 result = y * reinterpret_cast<const vf16&>(bits);
-  return underflow ? vf16{} : result;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;  // n = -127: 0.0f
+  return y * reinterpret_cast<const vf16&>(bits);
 }
 CLEF_INLINE vf16 silu_vf16(vf16 x) { return x / (1.0f + exp_vf16(-x)); }
 

@@ -18,7 +18,10 @@
 namespace clef {
 namespace {
 
-constexpr int kKeyTile = 32;  // a [256][32] fp32 K^T tile is 32 KB: it stays in L1 while rows stream by
+// Keys per tile: a K^T tile of ~32 KB stays in L1 while the rows stream by (32 keys at D = 256); small
+// heads take up to 128 keys so the per-row softmax bookkeeping is amortised over more keys.
+constexpr int kMaxKeyTile = 128;
+CLEF_INLINE int key_tile_for(int Dp) { return std::clamp(8192 / Dp / 16 * 16, 32, kMaxKeyTile); }
 constexpr int kRowBlock = 4;  // rows are padded to a multiple of this
 
 CLEF_INLINE int round_up(int x, int m) { return (x + m - 1) / m * m; }
@@ -59,38 +62,39 @@ CLEF_INLINE void gemm_acc(const float* A, int64_t lda, const float* B, int64_t l
   }
 }
 
-// A tile of kKeyTile context keys in fp32: K transposed ([Dp][kKeyTile], so scores vectorise over keys)
-// followed by V ([kKeyTile][Dp]), plus a flag per key (-1: its page is inside the cache, 0: not).
-CLEF_INLINE int64_t tile_floats(int Dp) { return 2LL * Dp * kKeyTile; }
+// A tile of `keys` context keys in fp32: K transposed ([Dp][keys], so scores vectorise over keys)
+// followed by V ([keys][Dp]), plus a flag per key (-1: its page is inside the cache, 0: not).
+CLEF_INLINE int64_t tile_floats(int Dp, int keys) { return 2LL * Dp * keys; }
 
 // When a (sequence, KV head) has several query blocks, its context is gathered once into such tiles and
 // every block reads contiguous, L2-friendly memory; with a single query block (decode, short chunks) each
 // tile is gathered on the fly into the work item's scratch instead, which stays in cache.
 struct GatheredContexts {
   int Dp = 0;
+  int keys = 0;  // per tile
   std::vector<int64_t> base;  // [batch * Hkv]: first float of each region, -1 when gathered on the fly
   std::vector<float> data;
   std::vector<int32_t> key_ok;
 
   bool has(int region) const { return base[region] >= 0; }
-  const float* tile(int region, int t) const { return data.data() + base[region] + t * tile_floats(Dp); }
-  const int32_t* ok(int region, int t) const { return key_ok.data() + base[region] / (2 * Dp) + t * kKeyTile; }
+  const float* tile(int region, int t) const { return data.data() + base[region] + t * tile_floats(Dp, keys); }
+  const int32_t* ok(int region, int t) const { return key_ok.data() + base[region] / (2 * Dp) + t * keys; }
 };
 
 template <typename T>
 CLEF_INLINE void gather_tile(const PagedAttentionParams& p, int b, int kv_head, int tile, int context_len, int Dp,
-                             float* kt, int32_t* ok) {
+                             int keys, float* kt, int32_t* ok) {
   const int D = p.head_dim;
-  float* v = kt + static_cast<int64_t>(Dp) * kKeyTile;
+  float* v = kt + static_cast<int64_t>(Dp) * keys;
   const T* key_cache = static_cast<const T*>(p.key_cache);
   const T* value_cache = static_cast<const T*>(p.value_cache);
-  std::fill(kt, kt + tile_floats(Dp), 0.0f);
-  const int k0 = tile * kKeyTile;
+  std::fill(kt, kt + tile_floats(Dp, keys), 0.0f);
+  const int k0 = tile * keys;
   // Consecutive keys of one head are Hkv * D elements apart (a page apart for clef-flash): prefetch ahead.
   constexpr int kAhead = 4;
-  for (int kk = 0; kk < kKeyTile; ++kk) {
+  for (int kk = 0; kk < keys; ++kk) {
     const int pos = k0 + kk;
-    if (pos + kAhead < context_len && kk + kAhead < kKeyTile) {
+    if (pos + kAhead < context_len && kk + kAhead < keys) {
       const int64_t ahead = paged_key_offset(p, b, pos + kAhead, kv_head);
       if (ahead >= 0)
         for (int off = 0; off < D * static_cast<int>(sizeof(T)); off += 64) {
@@ -105,7 +109,7 @@ CLEF_INLINE void gather_tile(const PagedAttentionParams& p, int b, int kv_head, 
     const T* vsrc = value_cache + off;
     float* vrow = v + static_cast<int64_t>(kk) * Dp;
     for (int d = 0; d < D; ++d) {
-      kt[static_cast<int64_t>(d) * kKeyTile + kk] = to_f32(ksrc[d]);
+      kt[static_cast<int64_t>(d) * keys + kk] = to_f32(ksrc[d]);
       vrow[d] = to_f32(vsrc[d]);
     }
   }
@@ -117,21 +121,27 @@ struct AttnScratch {
   std::vector<int> pos;
 };
 
-// Horizontal max / sum of 16 lanes by a shuffle tree (4 steps instead of 15 dependent scalar ops).
-CLEF_INLINE vf16 swap_halves(vf16 v, int width) {
-  vi16 idx;
-  for (int i = 0; i < kLanes; ++i) idx[i] = i ^ width;
-  return __builtin_shuffle(v, idx);
+// Horizontal max / sum of 16 lanes by a shuffle tree (4 steps instead of 15 dependent scalar ops). The
+// masks are literals so the shuffles compile to immediate permutes.
+template <int WIDTH>
+CLEF_INLINE vf16 swap_halves(vf16 v) {
+  if constexpr (WIDTH == 8) return __builtin_shuffle(v, vi16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  if constexpr (WIDTH == 4) return __builtin_shuffle(v, vi16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  if constexpr (WIDTH == 2) return __builtin_shuffle(v, vi16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  return __builtin_shuffle(v, vi16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
 }
 CLEF_INLINE float hmax(vf16 v) {
-  for (int width = 8; width >= 1; width /= 2) {
-    const vf16 other = swap_halves(v, width);
-    v = other > v ? other : v;
-  }
+  v = vmax(v, swap_halves<8>(v));
+  v = vmax(v, swap_halves<4>(v));
+  v = vmax(v, swap_halves<2>(v));
+  v = vmax(v, swap_halves<1>(v));
   return v[0];
 }
 CLEF_INLINE float hsum(vf16 v) {
-  for (int width = 8; width >= 1; width /= 2) v += swap_halves(v, width);
+  v += swap_halves<8>(v);
+  v += swap_halves<4>(v);
+  v += swap_halves<2>(v);
+  v += swap_halves<1>(v);
   return v[0];
 }
 
@@ -151,7 +161,8 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
 
   w.q.assign(static_cast<size_t>(rows_p) * Dp, 0.0f);
   w.out.assign(static_cast<size_t>(rows_p) * Dp, 0.0f);
-  w.scores.resize(static_cast<size_t>(rows_p) * kKeyTile);
+  const int keys = g.keys;
+  w.scores.resize(static_cast<size_t>(rows_p) * keys);
   w.m.assign(rows, kNegInf);
   w.l.assign(rows, 0.0f);
   w.pos.resize(rows);
@@ -165,40 +176,40 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
   vi16 lane;
   for (int i = 0; i < kLanes; ++i) lane[i] = i;
   const int kv_end = attn_query_position(s, q0 + tokens - 1) + 1;
-  for (int k0 = 0; k0 < kv_end; k0 += kKeyTile) {
-    const int tile = k0 / kKeyTile;
-    const int nk = std::min(kKeyTile, kv_end - k0);
+  for (int k0 = 0; k0 < kv_end; k0 += keys) {
+    const int tile = k0 / keys;
+    const int nk = std::min(keys, kv_end - k0);
     const float* kt;
     const int32_t* ok;
     if (g.has(region)) {
       kt = g.tile(region, tile);
       ok = g.ok(region, tile);
     } else {
-      w.tile.resize(tile_floats(Dp));
-      w.tile_ok.resize(kKeyTile);
-      gather_tile<T>(p, b, kv_head, tile, kv_end, Dp, w.tile.data(), w.tile_ok.data());
+      w.tile.resize(tile_floats(Dp, keys));
+      w.tile_ok.resize(keys);
+      gather_tile<T>(p, b, kv_head, tile, kv_end, Dp, keys, w.tile.data(), w.tile_ok.data());
       kt = w.tile.data();
       ok = w.tile_ok.data();
     }
-    const float* vt = kt + static_cast<int64_t>(Dp) * kKeyTile;
+    const float* vt = kt + static_cast<int64_t>(Dp) * keys;
     std::fill(w.scores.begin(), w.scores.end(), 0.0f);
-    gemm_acc(w.q.data(), Dp, kt, kKeyTile, Dp, w.scores.data(), kKeyTile, rows_p, kKeyTile);
+    gemm_acc(w.q.data(), Dp, kt, keys, Dp, w.scores.data(), keys, rows_p, keys);
     for (int r = 0; r < rows; ++r) {
-      float* srow = w.scores.data() + static_cast<size_t>(r) * kKeyTile;
+      float* srow = w.scores.data() + static_cast<size_t>(r) * keys;
       const int last = w.pos[r] - k0;  // keys kk <= last are causal for this row
-      constexpr int kVectors = kKeyTile / kLanes;
+      const int vectors = keys / kLanes;
       const vf16 neg = broadcast(kNegInf);
-      vf16 masked[kVectors];
-      vi16 live[kVectors];
+      vf16 masked[kMaxKeyTile / kLanes];
+      vi16 live[kMaxKeyTile / kLanes];
       vf16 running = neg;
-      for (int c = 0; c < kVectors; ++c) {
+      for (int c = 0; c < vectors; ++c) {
         live[c] = ((lane + c * kLanes) <= last) & *reinterpret_cast<const vi16*>(ok + c * kLanes);
         masked[c] = live[c] ? load_vf16(srow + c * kLanes) : neg;
         running = masked[c] > running ? masked[c] : running;
       }
       const SoftmaxStep step = softmax_step(w.m[r], hmax(running));
       vf16 sum = {};
-      for (int c = 0; c < kVectors; ++c) {
+      for (int c = 0; c < vectors; ++c) {
         const vf16 prob = live[c] ? exp_vf16(masked[c] - step.m) : vf16{};
         store_vf16(srow + c * kLanes, prob);
         sum += prob;
@@ -210,7 +221,7 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
       if (step.alpha != 1.0f)
         for (int d = 0; d < Dp; ++d) orow[d] *= step.alpha;
     }
-    gemm_acc(w.scores.data(), kKeyTile, vt, Dp, nk, w.out.data(), Dp, rows_p, Dp);
+    gemm_acc(w.scores.data(), keys, vt, Dp, nk, w.out.data(), Dp, rows_p, Dp);
   }
   T* out = static_cast<T*>(p.out);
   for (int r = 0; r < rows; ++r) {
@@ -242,8 +253,8 @@ CLEF_INLINE void cache_write_token(const CacheWriteParams& p, int64_t token) {
 
 #define CLEF_ATTN_CPU_ENTRIES(suffix, T)                                                                        \
   CLEF_CPU_KERNEL void gather_tile_##suffix(const PagedAttentionParams& p, int b, int h, int tile, int ctx, int Dp, \
-                                            float* kt, int32_t* ok) {                                             \
-    gather_tile<T>(p, b, h, tile, ctx, Dp, kt, ok);                                                              \
+                                            int keys, float* kt, int32_t* ok) {                                   \
+    gather_tile<T>(p, b, h, tile, ctx, Dp, keys, kt, ok);                                                        \
   }                                                                                                               \
   CLEF_CPU_KERNEL void attention_block_##suffix(const PagedAttentionParams& p, int b, int h, int q0, int n,       \
                                                 const GatheredContexts& g, AttnScratch& w) {                      \
@@ -263,6 +274,7 @@ void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
   const int block_tokens = std::max(1, 128 / group);  // about 128 rows per work item
   GatheredContexts g;
   g.Dp = round_up(p.head_dim, kLanes);
+  g.keys = key_tile_for(g.Dp);
   const int regions = p.batch * p.num_kv_heads;
   g.base.assign(regions, -1);
   std::vector<int> needed(p.batch), tile_start(regions + 1, 0);
@@ -270,12 +282,12 @@ void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
   for (int b = 0; b < p.batch; ++b) {
     const AttnSeq s = attn_sequence(p, b);
     needed[b] = s.q_len > 0 ? std::max(0, attn_query_position(s, s.q_len - 1) + 1) : 0;
-    const int tiles = s.q_len > block_tokens ? (needed[b] + kKeyTile - 1) / kKeyTile : 0;
+    const int tiles = s.q_len > block_tokens ? (needed[b] + g.keys - 1) / g.keys : 0;
     for (int h = 0; h < p.num_kv_heads; ++h) {
       const int region = b * p.num_kv_heads + h;
       if (tiles > 0) g.base[region] = floats;
       tile_start[region + 1] = tile_start[region] + tiles;
-      floats += tiles * tile_floats(g.Dp);
+      floats += tiles * tile_floats(g.Dp, g.keys);
     }
   }
   g.data.resize(floats);
@@ -284,7 +296,7 @@ void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
     for (int64_t i = begin; i < end; ++i) {
       const int region = static_cast<int>(std::upper_bound(tile_start.begin(), tile_start.end(), i) - tile_start.begin()) - 1;
       const int b = region / p.num_kv_heads, t = static_cast<int>(i - tile_start[region]);
-      gather_fn(p, b, region % p.num_kv_heads, t, needed[b], g.Dp, const_cast<float*>(g.tile(region, t)),
+      gather_fn(p, b, region % p.num_kv_heads, t, needed[b], g.Dp, g.keys, const_cast<float*>(g.tile(region, t)),
                 const_cast<int32_t*>(g.ok(region, t)));
     }
   });
