@@ -157,7 +157,7 @@ def build_ext_class():
 # pip's build backend executes this file as __main__; tests import it to check the build decisions.
 if __name__ == "__main__":
     setup(
-        packages=find_packages(include=["clef_cuda", "clef_cuda.*"]),
+        packages=find_packages(include=["clef_cuda", "clef_cuda.*", "app", "app.*"]),
         ext_modules=extension_modules(),
         cmdclass={"build_ext": build_ext_class()},
     )

@@ -102,3 +102,101 @@ class FreeList:
 
     def give_back(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))
+
+
+class BlockPool:
+    """KV blocks with reference counts: a block returns to the free list when its last holder (a running
+    sequence or a prefix-cache entry) lets go."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._free = FreeList(num_blocks)
+        self._refs = [0] * num_blocks
+        self.capacity = num_blocks
+
+    @property
+    def available(self) -> int:
+        return self._free.available
+
+    @property
+    def used(self) -> int:
+        return self.capacity - self._free.available
+
+    def take(self, count: int) -> list[int] | None:
+        blocks = self._free.take(count)
+        if blocks is not None:
+            for b in blocks:
+                self._refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        freed = []
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                freed.append(b)
+        self._free.give_back(freed)
+
+
+@dataclass
+class PrefixEntry:
+    """What a later record with the same first `length` tokens can reuse instead of recomputing them."""
+
+    tokens: tuple[int, ...]  # the prefix itself (hash collisions are checked, not trusted)
+    blocks: list[int]  # KV blocks holding positions [0, length)
+    snapshot_slot: int  # a state slot holding every delta net's conv and recurrent state after `length`
+    memory: torch.Tensor  # the head's memory rows [length, width]
+    span_sums: dict[tuple[int, int], torch.Tensor]  # head span sums over [start, min(end, length))
+    bytes: int
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class PrefixCache:
+    """Prefix snapshots keyed by a hash of their tokens, evicted least-recently-used first."""
+
+    def __init__(self) -> None:
+        from collections import OrderedDict
+
+        self._entries: OrderedDict[bytes, PrefixEntry] = OrderedDict()
+        self.hits = self.misses = self.evictions = 0
+
+    @staticmethod
+    def key(tokens: tuple[int, ...] | list[int]) -> bytes:
+        import hashlib
+        from array import array
+
+        return hashlib.blake2b(array("i", tokens).tobytes(), digest_size=16).digest()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes, tokens: tuple[int, ...]) -> PrefixEntry | None:
+        entry = self._entries.get(key)
+        if entry is None or entry.tokens != tokens:
+            return None
+        self._entries.move_to_end(key)
+        return entry
+
+    def put(self, key: bytes, entry: PrefixEntry) -> None:
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+
+    def pop_oldest(self) -> PrefixEntry | None:
+        if not self._entries:
+            return None
+        _, entry = self._entries.popitem(last=False)
+        self.evictions += 1
+        return entry
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.bytes for e in self._entries.values())

@@ -1,0 +1,180 @@
+"""clef-serve: the command line, flag-compatible with the candle-vllm Deployment it replaces
+(--w /mnt/models/clef-flash --d 0 --dtype f16 --p 8080 --max-num-seqs 4 --kv-fraction 0.30
+--prefill-chunk-size 1024). A bad flag or model directory is a one-line error naming it, exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints the whole usage otherwise)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="clef-serve", description="Serve a clef-flash release over TypeSafe's System One API.", allow_abbrev=False
+    )
+    p.add_argument("--w", "--weights", dest="weights", help="release directory (default: the embedded default model)")
+    p.add_argument(
+        "--d",
+        "--device",
+        dest="device",
+        help="GPU index (0, 1, ...), 'cuda[:N]' or 'cpu' (default: GPU 0 if there is one, else cpu)",
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="serving dtype (default: f16 on a GPU, f32 on the CPU)")
+    p.add_argument("--p", "--port", dest="port", type=_positive_int, default=8080)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=4, help="sequences prefilled together")
+    p.add_argument(
+        "--kv-fraction",
+        type=_fraction,
+        default=0.30,
+        help="fraction of the free device memory (after weights) for KV blocks and state slots",
+    )
+    p.add_argument("--prefill-chunk-size", type=_positive_int, default=1024, help="new tokens per sequence per step")
+    p.add_argument("--max-model-len", type=_positive_int, default=16384, help="token budget of one record")
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--disable-prefix-cache", action="store_true", help="turn prefix caching off")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("CLEF_API_KEY"),
+        help="require 'Authorization: Bearer <key>' (default: $CLEF_API_KEY; none: no auth)",
+    )
+    p.add_argument("--served-model-name", default="clef-flash")
+    p.add_argument("--confidence", choices=["clef", "typesafe"], default="clef")
+    p.add_argument(
+        "--state-overflow",
+        choices=["reject", "truncate"],
+        default="reject",
+        help="over --max-model-len: reject with 413, or keep the head of the state (the reference)",
+    )
+    p.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 503")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=32 * 2**20, help="request body limit (413)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gives up (503)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    return p
+
+
+def resolve_device(text: str | None):
+    import torch
+
+    if text is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    text = text.strip().lower()
+    if text.isdigit():
+        text = f"cuda:{text}"
+    try:
+        device = torch.device(text)
+    except RuntimeError as error:
+        raise ValueError(f"--d {text!r} is not a device (use a GPU index, 'cuda:N' or 'cpu')") from error
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--d {text}: no CUDA device is available on this machine")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--d {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise ValueError(f"--d {text}: only CUDA devices and 'cpu' are supported")
+    return device
+
+
+def make_engine(args):
+    """Load the release and build the engine (runs on the loader thread; errors surface on /ready)."""
+    import torch
+
+    from clef_cuda import Decider
+    from clef_cuda.engine import Engine, EngineConfig
+
+    device = resolve_device(args.device)
+    dtype = getattr(torch, DTYPES[args.dtype or ("f16" if device.type == "cuda" else "f32")])
+    decider = Decider.from_release(
+        args.weights,
+        device=device,
+        dtype=dtype,
+        max_length=args.max_model_len,
+        state_overflow=args.state_overflow,
+        confidence=args.confidence,
+    )
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_fraction=args.kv_fraction,
+        prefix_cache=not args.disable_prefix_cache,
+        max_queue=args.max_queue,
+        state_overflow=args.state_overflow,
+        confidence=args.confidence,
+    )
+    return Engine(decider, config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("clef_serve")
+
+    # Fail fast, in one line, on what can be checked before the (slow) load.
+    try:
+        resolve_device(args.device)
+        from clef_cuda.config import load_release_config
+        from clef_cuda.errors import ReleaseError
+
+        if args.weights is None:
+            from clef_cuda.default_model import WARNING, default_release
+
+            args.weights = str(default_release())
+            log.warning("!" * 100)
+            log.warning(WARNING)
+            log.warning("!" * 100)
+            description = "EMBEDDED DEFAULT MODEL: tiny, random weights, meaningless answers"
+        else:
+            if not Path(args.weights).is_dir():
+                raise ValueError(f"--w {args.weights}: not a directory (expected a clef-flash release)")
+            load_release_config(args.weights)
+            description = f"clef-flash System One decision model ({args.weights})"
+    except (ValueError, ReleaseError) as error:
+        parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
+
+    import uvicorn
+
+    from app.server import ServerSettings, create_app
+
+    settings = ServerSettings(
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        model_description=description,
+    )
+    app = create_app(settings, load_engine=lambda: make_engine(args))
+    log.info("listening on %s:%d (model loading in the background; /ready says when it is done)", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

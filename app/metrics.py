@@ -1,0 +1,65 @@
+"""Prometheus metrics of one server instance (its own registry: nothing global)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("clef_requests", "System One requests by HTTP status", ["status"], registry=r)
+        self.latency = Histogram(
+            "clef_request_latency_seconds",
+            "Time from receiving a decision request to answering it",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_latency = Histogram(
+            "clef_queue_latency_seconds",
+            "Time a decision waited before its prefill started",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("clef_prompt_tokens", "Input tokens of answered requests", registry=r)
+        self.cached_tokens = Counter(
+            "clef_cached_tokens", "Input tokens served from the prefix cache instead of recomputed", registry=r
+        )
+        self.queue_depth = Gauge("clef_queue_depth", "Requests waiting for the engine", registry=r)
+        self.running = Gauge("clef_running_sequences", "Sequences being prefilled", registry=r)
+        self.kv_blocks_used = Gauge("clef_kv_blocks_used", "KV cache blocks in use (sequences and cache)", registry=r)
+        self.kv_blocks_total = Gauge("clef_kv_blocks_total", "KV cache blocks", registry=r)
+        self.state_slots_used = Gauge("clef_state_slots_used", "Delta-net state slots in use", registry=r)
+        self.state_slots_total = Gauge("clef_state_slots_total", "Delta-net state slots", registry=r)
+        self.prefix_hits = Gauge("clef_prefix_cache_hits", "Records that started from a cached prefix", registry=r)
+        self.prefix_misses = Gauge(
+            "clef_prefix_cache_misses", "Records with reuse points and no cached prefix", registry=r
+        )
+        self.prefix_evictions = Gauge("clef_prefix_cache_evictions", "Prefix-cache entries evicted", registry=r)
+        self.prefix_entries = Gauge("clef_prefix_cache_entries", "Prefix-cache entries held", registry=r)
+        self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed up and taking requests", registry=r)
+
+    def observe_engine(self, engine) -> None:
+        """Copy the engine's counters into the gauges (called at scrape time)."""
+        if engine is None:
+            return
+        self.queue_depth.set(engine.queue_depth)
+        self.running.set(engine.running)
+        self.kv_blocks_used.set(engine.blocks.used)
+        self.kv_blocks_total.set(engine.blocks.capacity)
+        self.state_slots_used.set(engine.state_slots_in_use())
+        self.state_slots_total.set(engine.plan.running_slots + engine.plan.snapshot_slots)
+        cache = engine.prefix_cache
+        self.prefix_hits.set(cache.hits)
+        self.prefix_misses.set(cache.misses)
+        self.prefix_evictions.set(cache.evictions)
+        self.prefix_entries.set(len(cache))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,347 @@
+"""The HTTP service: POST /v1/systemone per shared/specs/systemone-api.md, plus /v1/models, /health, /ready
+and /metrics. Routes validate and translate; the engine (clef_cuda.engine) owns the model.
+
+Every error a client can cause is a 4xx in the contract's shape: 422 `{"detail": [{"loc", "msg", "type"}]}`
+for an invalid body, `{"detail": {"error_type", "message"}}` for the rest. Only the server's own faults
+are 5xx (503 while loading, draining or overloaded, with Retry-After; 500 for a numerical overflow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.metrics import Metrics
+from app.schemas import SystemOneRequest
+from clef_cuda.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
+from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
+
+log = logging.getLogger("clef_serve")
+RETRY_AFTER_SECONDS = "1"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str = "clef-flash"
+    aliases: tuple[str, ...] = ("jev-latest",)
+    api_key: str | None = None
+    max_body_bytes: int = 32 * 2**20  # compressed or not, and again after decompression
+    request_timeout: float = 600.0
+    model_description: str = "clef-flash System One decision model"
+    release_date: str = "2026-10-01"
+    disconnect_poll_seconds: float = 0.05
+
+
+class ClientError(Exception):
+    """A 4xx in the contract's error shape."""
+
+    def __init__(self, status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.error_type, self.message, self.headers = status, error_type, message, headers or {}
+
+
+class ServerState:
+    """Loading -> ready -> draining. The engine appears once the model is loaded and warmed up."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.status = "loading"
+        self.error: str | None = None
+
+
+def error_response(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": {"error_type": error_type, "message": message}}, status_code=status, headers=headers)
+
+
+def validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
+    return JSONResponse({"detail": errors}, status_code=422)
+
+
+def _pydantic_errors(error: ValidationError) -> list[dict[str, Any]]:
+    return [
+        {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
+        for e in error.errors(include_url=False, include_input=False, include_context=False)
+    ]
+
+
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """gzip / zstd request bodies (the SDK sends zstd); the result is bounded by `limit` too."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    try:
+        if encoding in ("gzip", "x-gzip", "deflate"):
+            inflater = zlib.decompressobj(wbits=47 if encoding != "deflate" else 15)  # 47: gzip or zlib header
+            out = inflater.decompress(body, limit + 1)
+            if not inflater.eof:
+                raise ValueError("truncated or oversized stream")
+        elif encoding == "zstd":
+            import io
+
+            import zstandard
+
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
+                out = reader.read(limit + 1)  # bounded: a small body cannot expand into unbounded memory
+        else:
+            raise ClientError(
+                415, "unsupported_media_type", f"Content-Encoding {encoding!r} is not supported (gzip, zstd)"
+            )
+    except ClientError:
+        raise
+    except Exception as error:  # zlib.error, zstandard.ZstdError, ValueError: all mean a corrupt body
+        raise ClientError(
+            400, "invalid_request_error", f"the {encoding} request body could not be decoded: {error}"
+        ) from error
+    if len(out) > limit:
+        raise ClientError(413, "request_too_large", f"the decoded request body exceeds {limit} bytes")
+    return out
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ClientError(413, "request_too_large", f"the request body ({declared} bytes) exceeds {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ClientError(413, "request_too_large", f"the request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(
+    settings: ServerSettings = ServerSettings(),
+    load_engine: Callable[[], Engine] | None = None,
+    engine: Engine | None = None,
+    warm_up: bool = True,
+) -> FastAPI:
+    """The ASGI app. Give either an `engine` (ready now) or `load_engine` (called on a background thread at
+    start-up, so /health answers while weights load)."""
+    state = ServerState()
+    metrics = Metrics()
+    names = {settings.served_model_name, *settings.aliases}
+
+    def become_ready(loaded: Engine) -> None:
+        loaded.start()
+        if warm_up:
+            loaded.decide(
+                {
+                    "model": settings.served_model_name,
+                    "state": "warm-up",
+                    "questions": {"ready": {"type": "noul", "instructions": "Is the server ready?"}},
+                },
+                timeout=600,
+            )
+        state.engine = loaded
+        state.status = "ready"
+        metrics.ready.set(1)
+        log.info("ready: serving %s", settings.served_model_name)
+
+    def load_in_background() -> None:
+        try:
+            become_ready(load_engine())
+        except Exception as error:
+            state.status, state.error = "failed", f"{type(error).__name__}: {error}"
+            log.exception("loading the model failed")
+
+    async def lifespan(_app: FastAPI):
+        if engine is not None:
+            become_ready(engine)
+        elif load_engine is not None:
+            threading.Thread(target=load_in_background, name="clef-loader", daemon=True).start()
+        yield
+        state.status = "draining"
+        metrics.ready.set(0)
+        if state.engine is not None:
+            await run_in_threadpool(state.engine.stop, 60.0)
+
+    app = FastAPI(title="clef-serve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.state.metrics = metrics
+    app.state.settings = settings
+
+    def drain() -> None:
+        """Stop taking decisions (SIGTERM): /ready turns 503, in-flight ones finish."""
+        state.status = "draining"
+        metrics.ready.set(0)
+        if state.engine is not None:
+            state.engine.drain()
+
+    app.state.drain = drain
+
+    @app.exception_handler(ClientError)
+    async def client_error(_request: Request, error: ClientError) -> JSONResponse:
+        return error_response(error.status, error.error_type, error.message, error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "method_not_allowed"}.get(error.status_code, "invalid_request_error")
+        return error_response(error.status_code, kind, str(error.detail), getattr(error, "headers", None))
+
+    def check_auth(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        # Constant-time comparison of equal-length digests: the key never leaks through timing.
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not hmac.compare_digest(
+            hmac.new(b"clef", given, "sha256").digest(), hmac.new(b"clef", settings.api_key.encode(), "sha256").digest()
+        ):
+            raise ClientError(
+                401,
+                "authentication_error",
+                "missing or invalid API key (Authorization: Bearer <key>)",
+                {"WWW-Authenticate": "Bearer"},
+            )
+
+    def ready_engine() -> Engine:
+        if state.status != "ready" or state.engine is None:
+            why = {"loading": "the model is still loading", "draining": "the server is shutting down"}.get(
+                state.status, f"the model failed to load: {state.error}"
+            )
+            raise ClientError(503, "service_unavailable", why, {"Retry-After": RETRY_AFTER_SECONDS})
+        return state.engine
+
+    @app.post(
+        "/v1/systemone",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": SystemOneRequest.model_json_schema()}},
+            }
+        },
+    )
+    async def systemone(request: Request) -> Response:
+        started = time.perf_counter()
+        response = await _systemone(request)
+        metrics.requests.labels(status=str(response.status_code)).inc()
+        if response.status_code == 200:
+            metrics.latency.observe(time.perf_counter() - started)
+        return response
+
+    async def _systemone(request: Request) -> Response:
+        try:
+            check_auth(request)
+            engine = ready_engine()
+            raw = await _read_body(request, settings.max_body_bytes)
+            raw = _decompress(raw, request.headers.get("content-encoding", ""), settings.max_body_bytes)
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                return validation_response(
+                    [{"loc": ["body"], "msg": f"the body is not valid JSON: {error}", "type": "json_invalid"}]
+                )
+            try:
+                SystemOneRequest.model_validate(body)
+            except ValidationError as error:
+                return validation_response(_pydantic_errors(error))
+            if body["model"] not in names:
+                raise ClientError(
+                    404,
+                    "not_found_error",
+                    f"model {body['model']!r} is not served here (try {settings.served_model_name!r})",
+                )
+            body["model"] = settings.served_model_name  # answer with the served name, also for the alias
+            try:
+                record = await run_in_threadpool(engine.encode, body)
+                ticket = engine.submit(body, record)
+            except RequestError as error:
+                return validation_response([{"loc": ["body", *error.loc], "msg": str(error), "type": "value_error"}])
+            except RequestTooLongError as error:
+                raise ClientError(413, "request_too_large", str(error)) from error
+            except QueueFullError as error:
+                raise ClientError(503, "overloaded_error", str(error), {"Retry-After": RETRY_AFTER_SECONDS}) from error
+            except EngineStoppedError as error:
+                raise ClientError(
+                    503, "service_unavailable", str(error), {"Retry-After": RETRY_AFTER_SECONDS}
+                ) from error
+            result = await _wait(request, engine, ticket)
+            metrics.prompt_tokens.inc(result["usage"]["input_tokens"])
+            metrics.cached_tokens.inc(result.get("x_cached_tokens", 0))
+            metrics.queue_latency.observe(result.get("x_timing_ms", {}).get("queue", 0.0) / 1e3)
+            return JSONResponse(result)
+        except ClientError as error:
+            return error_response(error.status, error.error_type, error.message, error.headers)
+
+    async def _wait(request: Request, engine: Engine, ticket) -> dict[str, Any]:
+        future = asyncio.wrap_future(ticket.future)
+        deadline = time.monotonic() + settings.request_timeout
+        try:
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=settings.disconnect_poll_seconds)
+                if done:
+                    return future.result()
+                if await request.is_disconnected():
+                    engine.cancel(ticket)  # frees its slot and blocks at the next step
+                    raise ClientError(499, "client_closed_request", "the client disconnected")
+                if time.monotonic() > deadline:
+                    engine.cancel(ticket)
+                    raise ClientError(
+                        503,
+                        "timeout",
+                        f"no answer within {settings.request_timeout:.0f} s",
+                        {"Retry-After": RETRY_AFTER_SECONDS},
+                    )
+        except asyncio.CancelledError:
+            engine.cancel(ticket)
+            raise
+        except NumericalOverflowError as error:
+            log.error("numerical overflow: %s", error)
+            raise ClientError(500, "internal_error", str(error)) from error
+        except RequestCancelledError as error:
+            raise ClientError(499, "client_closed_request", "the request was cancelled") from error
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        created = 1_767_225_600  # 2026-01-01, a fixed timestamp
+        return {
+            "models": [
+                {
+                    "name": settings.served_model_name,
+                    "description": settings.model_description,
+                    "release_date": settings.release_date,
+                }
+            ],
+            "object": "list",
+            "data": [
+                {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "clef-cuda"}
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.status == "ready":
+            return JSONResponse({"status": "ready"})
+        return error_response(
+            503,
+            "service_unavailable",
+            state.status if state.error is None else state.error,
+            {"Retry-After": RETRY_AFTER_SECONDS},
+        )
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        metrics.observe_engine(state.engine)
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app

@@ -1,0 +1,465 @@
+"""The batching engine: one scheduler thread owns the model and the device.
+
+Requests are validated and encoded by the caller, then wait in a bounded queue. Each scheduler step
+packs up to max_num_seqs running sequences, at most prefill_chunk_size new tokens each (chunked prefill:
+a 16k-token record does not stall short ones), runs the trunk once over the pack, feeds each sequence's
+rows to the joint head, and answers a sequence as soon as its last chunk is done.
+
+Memory: after the weights load, kv_fraction of the free device memory becomes state slots (one per
+running sequence, plus prefix snapshots) and KV blocks. A record is admitted when a slot and all the
+blocks it will need are free (it waits otherwise; one that could never fit is rejected at submit).
+
+Prefix caching: a record's prefill stops at block-aligned reuse points (the end of its state, the end
+of its schema). There the engine snapshots every delta net's conv and recurrent state into a spare slot,
+keeps the KV blocks, and keeps what the head has taken from those tokens (memory rows, span sums). A
+later record with the same tokens up to that point starts from the snapshot. Entries are evicted least
+recently used when blocks or snapshot slots run short.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from clef_cuda import answers
+from clef_cuda.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, TrunkCache
+from clef_cuda.decider import Decider
+from clef_cuda.encoding import EncodedRecord, encode_request, validate_request
+from clef_cuda.errors import ClefError, RequestTooLongError
+from clef_cuda.head import HeadInputs, RecordLayout
+from clef_cuda.trunk import ChunkBatch, SequenceChunk
+
+log = logging.getLogger("clef_cuda.engine")
+
+
+class QueueFullError(ClefError):
+    """The bounded queue is full (HTTP 503 with Retry-After)."""
+
+
+class EngineStoppedError(ClefError):
+    """The engine is draining or stopped and takes no new requests (HTTP 503)."""
+
+
+class RequestCancelledError(ClefError):
+    """The request was cancelled (its client went away) before it finished."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 4
+    prefill_chunk_size: int = 1024
+    max_model_len: int = 16384
+    block_size: int = 16
+    kv_fraction: float = 0.30
+    prefix_cache: bool = True
+    max_queue: int = 256
+    state_overflow: str = "reject"
+    confidence: str = "clef"
+    snapshot_fraction: float = 0.25  # of the cache budget, for prefix snapshots (state slots + head rows)
+    max_snapshots: int = 256
+
+
+@dataclass
+class Ticket:
+    """A submitted request: `future` resolves to the response body (or raises)."""
+
+    id: int
+    future: concurrent.futures.Future
+    record: EncodedRecord
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Sequence:
+    ticket: Ticket
+    request: dict[str, Any]
+    layout: RecordLayout
+    inputs: HeadInputs
+    slot: int
+    blocks: list[int]
+    position: int
+    reuse_points: list[int]  # block-aligned positions where a snapshot is taken (ascending, > position)
+    cached_tokens: int
+    started: float
+
+    @property
+    def record(self) -> EncodedRecord:
+        return self.ticket.record
+
+
+@dataclass
+class MemoryPlan:
+    budget_bytes: int
+    slot_bytes: int
+    block_bytes: int
+    running_slots: int
+    snapshot_slots: int
+    num_blocks: int
+    snapshot_budget_bytes: int
+
+    def describe(self, block_size: int, max_model_len: int) -> str:
+        tokens = self.num_blocks * block_size
+        return (
+            f"cache budget {self.budget_bytes / 2**20:.0f} MiB: {self.num_blocks} KV blocks x {block_size} = {tokens} "
+            f"tokens ({tokens / max_model_len:.1f} records of {max_model_len}); {self.running_slots} running state "
+            f"slots + {self.snapshot_slots} prefix snapshots ({self.slot_bytes / 2**20:.1f} MiB each)"
+        )
+
+
+def plan_memory(decider: Decider, config: EngineConfig) -> MemoryPlan:
+    trunk_config, dtype = decider.config.trunk, decider.trunk.dtype
+    device = decider.device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    budget = int(config.kv_fraction * free)
+    slot_bytes = TrunkCache.slot_bytes(trunk_config, dtype)
+    block_bytes = max(1, TrunkCache.block_bytes(trunk_config, dtype, config.block_size))
+    blocks_per_record = -(-config.max_model_len // config.block_size)
+    running = config.max_num_seqs
+    snapshot_budget = int(config.snapshot_fraction * budget) if config.prefix_cache else 0
+    snapshots = min(config.max_snapshots, snapshot_budget // max(slot_bytes, 1)) if config.prefix_cache else 0
+    blocks = (budget - running * slot_bytes - snapshots * slot_bytes) // block_bytes
+    # More blocks than every running record at full length plus as much again for cached prefixes can
+    # never be used: do not allocate (and, on the CPU, commit) them.
+    blocks = int(min(blocks, 2 * running * blocks_per_record))
+    if blocks < blocks_per_record:
+        raise ValueError(
+            f"--kv-fraction {config.kv_fraction} of the free {device.type} memory ({free / 2**30:.1f} GiB) leaves "
+            f"room for {max(blocks, 0)} KV blocks, fewer than one {config.max_model_len}-token record needs "
+            f"({blocks_per_record}); raise --kv-fraction or lower --max-model-len"
+        )
+    return MemoryPlan(budget, slot_bytes, block_bytes, running, snapshots, blocks, snapshot_budget)
+
+
+class Engine:
+    def __init__(self, decider: Decider, config: EngineConfig = EngineConfig()) -> None:
+        if config.max_num_seqs < 1 or config.prefill_chunk_size < 1 or config.block_size < 1:
+            raise ValueError("max_num_seqs, prefill_chunk_size and block_size must be positive")
+        self.decider, self.config = decider, config
+        self.plan = plan_memory(decider, config)
+        self.cache = TrunkCache.allocate(
+            decider.config.trunk,
+            self.plan.running_slots + self.plan.snapshot_slots,
+            self.plan.num_blocks,
+            config.block_size,
+            decider.device,
+            decider.trunk.dtype,
+        )
+        self.running_slots = FreeList(self.plan.running_slots)
+        self.snapshot_slots = FreeList(self.plan.snapshot_slots)
+        self.blocks = BlockPool(self.plan.num_blocks)
+        self.prefix_cache = PrefixCache()
+        self.prefix_cache_bytes = 0
+        log.info(self.plan.describe(config.block_size, config.max_model_len))
+
+        self._lock = threading.Condition()
+        self._queue: deque[tuple[Ticket, dict[str, Any]]] = deque()
+        self._running: list[_Sequence] = []
+        self._ids = itertools.count(1)
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # Counters read by the HTTP layer's /metrics.
+        self.completed = 0
+        self.failed = 0
+        self.steps = 0
+
+    # ---- submission (any thread) ------------------------------------------------------------------
+    def encode(self, request: dict[str, Any]) -> EncodedRecord:
+        """Validate and encode (RequestError / RequestTooLongError); also checks the record can ever fit."""
+        validate_request(request)
+        record = encode_request(self.decider.tokenizer, request, self.config.max_model_len, self.config.state_overflow)
+        needed = -(-record.num_tokens // self.config.block_size)
+        if needed > self.plan.num_blocks:
+            raise RequestTooLongError(
+                f"the record needs {record.num_tokens} tokens of KV cache; this server holds "
+                f"{self.plan.num_blocks * self.config.block_size}",
+                input_tokens=record.num_tokens,
+                max_tokens=self.plan.num_blocks * self.config.block_size,
+                fixed_tokens=record.num_tokens - record.state_tokens,
+            )
+        return record
+
+    def submit(self, request: dict[str, Any], record: EncodedRecord | None = None) -> Ticket:
+        record = record or self.encode(request)
+        ticket = Ticket(next(self._ids), concurrent.futures.Future(), record)
+        with self._lock:
+            if not self._accepting:
+                raise EngineStoppedError("the server is shutting down")
+            if len(self._queue) >= self.config.max_queue:
+                raise QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests)")
+            self._queue.append((ticket, request))
+            self._lock.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Drop the request (its client went away): its slot and blocks are freed at the next step."""
+        ticket.cancelled.set()
+        with self._lock:
+            self._lock.notify()
+
+    def decide(self, request: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Submit and wait (for callers without an event loop)."""
+        return self.submit(request).future.result(timeout)
+
+    # ---- introspection (any thread) ---------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def state_slots_in_use(self) -> int:
+        return (self.plan.running_slots - self.running_slots.available) + (
+            self.plan.snapshot_slots - self.snapshot_slots.available
+        )
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="clef-engine", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Stop taking new requests; queued and running ones still finish."""
+        with self._lock:
+            self._accepting = False
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Drain, wait for the work in hand to finish, then stop the thread."""
+        self.drain()
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the scheduler (engine thread) -------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._running and not self._stop:
+                    self._lock.wait(timeout=1.0)
+                if self._stop and not self._queue and not self._running:
+                    return
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self._running:
+                    self._step()
+                else:
+                    with self._lock:  # queued work that cannot be admitted yet: wait for a change
+                        self._lock.wait(timeout=0.05)
+            except Exception as error:  # a server fault (e.g. an f16 overflow): fail the pack, keep serving
+                log.exception("engine step failed")
+                for seq in list(self._running):
+                    self._finish(seq, error=error)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._running if s.ticket.cancelled.is_set()]:
+            self._finish(seq, error=RequestCancelledError("cancelled"))
+        with self._lock:
+            kept = deque()
+            for ticket, request in self._queue:
+                if ticket.cancelled.is_set():
+                    ticket.future.set_exception(RequestCancelledError("cancelled"))
+                    self.failed += 1
+                else:
+                    kept.append((ticket, request))
+            self._queue = kept
+
+    def _reuse_points(self, record: EncodedRecord) -> list[int]:
+        if not self.config.prefix_cache or self.plan.snapshot_slots == 0:
+            return []
+        bs = self.config.block_size
+        ends = (record.prefix_tokens + record.state_tokens, record.num_tokens - record.suffix_tokens)
+        return sorted({e // bs * bs for e in ends if 0 < e // bs * bs < record.num_tokens})
+
+    def _lookup(self, record: EncodedRecord, layout_spans: list[tuple[int, int]]) -> tuple[PrefixEntry | None, bytes]:
+        for point in reversed(self._reuse_points(record)):
+            tokens = record.input_ids[:point]
+            key = PrefixCache.key(tokens)
+            entry = self.prefix_cache.get(key, tokens)
+            if entry is not None and all((s, min(e, point)) in entry.span_sums for s, e in layout_spans if s < point):
+                return entry, key
+        return None, b""
+
+    def _evict_for(self, blocks_needed: int) -> bool:
+        while self.blocks.available < blocks_needed:
+            if not self._evict_one():
+                return False
+        return True
+
+    def _evict_one(self) -> bool:
+        entry = self.prefix_cache.pop_oldest()
+        if entry is None:
+            return False
+        self.blocks.release(entry.blocks)
+        self.snapshot_slots.give_back([entry.snapshot_slot])
+        self.prefix_cache_bytes -= entry.bytes
+        return True
+
+    def _admit(self) -> None:
+        while len(self._running) < self.config.max_num_seqs:
+            with self._lock:
+                if not self._queue:
+                    return
+                ticket, request = self._queue[0]
+            record = ticket.record
+            layout = RecordLayout.from_record(record, self.decider.device)
+            spans = [q.span for q in record.questions] + [s for q in record.questions for s in q.option_spans]
+            entry, _ = self._lookup(record, spans)
+            reused = entry.length if entry is not None else 0
+            needed = -(-record.num_tokens // self.config.block_size) - reused // self.config.block_size
+            if entry is not None:
+                self.blocks.share(entry.blocks)  # pin them before evicting for the rest
+            if not self._evict_for(needed):
+                if entry is not None:
+                    self.blocks.release(entry.blocks)
+                return  # wait until running sequences free blocks
+            slot = self.running_slots.take(1)
+            if slot is None:
+                if entry is not None:
+                    self.blocks.release(entry.blocks)
+                return
+            with self._lock:
+                self._queue.popleft()
+            new_blocks = self.blocks.take(needed)
+            assert new_blocks is not None
+            inputs = self.decider.head.start(layout, record.num_tokens)
+            if entry is not None:
+                self.prefix_cache.hits += 1
+                self._restore(entry, slot[0], inputs, layout, spans)
+            elif self._reuse_points(record):
+                self.prefix_cache.misses += 1
+            self._running.append(
+                _Sequence(
+                    ticket=ticket,
+                    request=request,
+                    layout=layout,
+                    inputs=inputs,
+                    slot=slot[0],
+                    blocks=(entry.blocks if entry is not None else []) + new_blocks,
+                    position=reused,
+                    reuse_points=[p for p in self._reuse_points(record) if p > reused],
+                    cached_tokens=reused,
+                    started=time.perf_counter(),
+                )
+            )
+
+    def _restore(self, entry: PrefixEntry, slot: int, inputs: HeadInputs, layout: RecordLayout, spans) -> None:
+        cache = self.cache
+        cache.conv_states[:, slot].copy_(cache.conv_states[:, entry.snapshot_slot])
+        cache.gdr_states[:, slot].copy_(cache.gdr_states[:, entry.snapshot_slot])
+        inputs.memory[: entry.length].copy_(entry.memory)
+        for index, (start, end) in enumerate(spans):
+            if start < entry.length:
+                inputs.span_sums[index].copy_(entry.span_sums[(start, min(end, entry.length))])
+        inputs.filled = entry.length
+
+    def _snapshot(self, seq: _Sequence, point: int) -> None:
+        tokens = seq.record.input_ids[:point]
+        key = PrefixCache.key(tokens)
+        if key in self.prefix_cache:
+            return
+        memory = seq.inputs.memory[:point].clone()
+        spans = [q.span for q in seq.record.questions] + [s for q in seq.record.questions for s in q.option_spans]
+        span_sums = {
+            (start, min(end, point)): seq.inputs.span_sums[index].clone()
+            for index, (start, end) in enumerate(spans)
+            if start < point
+        }
+        size = (
+            self.plan.slot_bytes
+            + memory.numel() * memory.element_size()
+            + sum(t.numel() * t.element_size() for t in span_sums.values())
+        )
+        while self.prefix_cache_bytes + size > self.plan.snapshot_budget_bytes or self.snapshot_slots.available == 0:
+            if not self._evict_one():
+                return  # cannot make room: skip this snapshot
+        (snap,) = self.snapshot_slots.take(1)
+        self.cache.conv_states[:, snap].copy_(self.cache.conv_states[:, seq.slot])
+        self.cache.gdr_states[:, snap].copy_(self.cache.gdr_states[:, seq.slot])
+        blocks = seq.blocks[: point // self.config.block_size]
+        self.blocks.share(blocks)
+        self.prefix_cache.put(key, PrefixEntry(tokens, blocks, snap, memory, span_sums, size))
+        self.prefix_cache_bytes += size
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        chunks, packed = [], []
+        for seq in self._running:
+            limit = seq.record.num_tokens
+            if seq.reuse_points:
+                limit = min(limit, seq.reuse_points[0])
+            size = min(self.config.prefill_chunk_size, limit - seq.position)
+            ids = list(seq.record.input_ids[seq.position : seq.position + size])
+            chunks.append(SequenceChunk(ids, seq.position, seq.slot, seq.blocks))
+            packed.append((seq, size))
+        batch = ChunkBatch.build(chunks, self.config.block_size, self.decider.device)
+        hidden = self.decider.trunk.forward(batch, self.cache)
+        self.steps += 1
+        offset = 0
+        for seq, size in packed:
+            self.decider.head.consume(seq.inputs, seq.layout, hidden[offset : offset + size])
+            offset += size
+            seq.position += size
+            if seq.reuse_points and seq.position == seq.reuse_points[0]:
+                seq.reuse_points.pop(0)
+                self._snapshot(seq, seq.position)
+            if seq.position == seq.record.num_tokens:
+                self._finish(seq)
+
+    def _finish(self, seq: _Sequence, error: BaseException | None = None) -> None:
+        self._running.remove(seq)
+        try:
+            if error is None:
+                body = self._answer(seq)
+        finally:
+            self.blocks.release(seq.blocks)
+            self.running_slots.give_back([seq.slot])
+        if error is not None:
+            self.failed += 1
+            if not seq.ticket.future.done():
+                seq.ticket.future.set_exception(error)
+            return
+        self.completed += 1
+        seq.ticket.future.set_result(body)
+
+    def _answer(self, seq: _Sequence) -> dict[str, Any]:
+        head = self.decider.head
+        probabilities = head.probabilities(head.logits(seq.inputs, seq.layout), seq.layout).tolist()
+        result, cursor = {}, 0
+        for question in seq.record.questions:
+            n = len(question.option_ids)
+            result[question.question_id] = answers.answer(
+                seq.request["questions"][question.question_id],
+                dict(zip(question.option_ids, probabilities[cursor : cursor + n], strict=True)),
+                self.config.confidence,
+            )
+            cursor += n
+        body = answers.response(seq.request["model"], result, seq.record.num_tokens)
+        now = time.perf_counter()
+        body["x_cached_tokens"] = seq.cached_tokens
+        body["x_timing_ms"] = {
+            "queue": round((seq.started - seq.ticket.submitted) * 1e3, 3),
+            "prefill": round((now - seq.started) * 1e3, 3),
+            "total": round((now - seq.ticket.submitted) * 1e3, 3),
+        }
+        if seq.record.dropped_state_tokens:
+            body["x_truncated_state_tokens"] = seq.record.dropped_state_tokens
+        return body
