@@ -1,10 +1,15 @@
 # The two entry points the README documents.
 VENV ?= .venv
 
-.PHONY: setup test check-sm70 lint bench
+.PHONY: setup serve test check-sm70 lint bench
 
 setup:
 	bash scripts/setup_env.sh
+
+# Sets everything up (first run: a few minutes), then serves on :8080. ARGS passes flags to clef-serve,
+# e.g. make serve ARGS="--w /mnt/models/clef-flash --d 0 --dtype f16". No --w: the embedded default model.
+serve: setup
+	$(VENV)/bin/clef-serve $(ARGS)
 
 # Sets everything up (first run: a few minutes), then runs the test suite.
 test: setup

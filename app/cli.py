@@ -137,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("clef_serve")
 
+    from clef_cuda.config import load_release_config
+    from clef_cuda.errors import ReleaseError
+
     # Fail fast, in one line, on what can be checked before the (slow) load.
     try:
         resolve_device(args.device)
-        from clef_cuda.config import load_release_config
-        from clef_cuda.errors import ReleaseError
-
         if args.weights is None:
             from clef_cuda.default_model import WARNING, default_release
 

@@ -87,8 +87,8 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
         if encoding in ("gzip", "x-gzip", "deflate"):
             inflater = zlib.decompressobj(wbits=47 if encoding != "deflate" else 15)  # 47: gzip or zlib header
             out = inflater.decompress(body, limit + 1)
-            if not inflater.eof:
-                raise ValueError("truncated or oversized stream")
+            if not inflater.eof and len(out) <= limit:
+                raise ValueError("truncated stream")
         elif encoding == "zstd":
             import io
 

@@ -83,10 +83,11 @@ class TrunkCache:
 
 
 class FreeList:
-    """Ids 0..n-1 handed out and returned; running out returns None (the caller decides to wait or fail)."""
+    """Ids first .. first+n-1 handed out and returned; running out returns None (the caller decides to
+    wait or fail)."""
 
-    def __init__(self, n: int) -> None:
-        self._free = list(range(n - 1, -1, -1))
+    def __init__(self, n: int, first: int = 0) -> None:
+        self._free = list(range(first + n - 1, first - 1, -1))
         self.capacity = n
 
     @property

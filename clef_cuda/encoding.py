@@ -44,8 +44,18 @@ class Tokenizer:
     is what the file says anyway). Special tokens written in the text (<|im_start|>...) are matched as
     added tokens; no BOS/EOS is added."""
 
+    # Long segments (a state sent again with new questions) are remembered: re-tokenising a 16k-token
+    # state costs milliseconds on every request that repeats it.
+    CACHED_MIN_CHARS = 1024
+    CACHE_ENTRIES = 64
+
     def __init__(self, backend) -> None:
+        import threading
+        from collections import OrderedDict
+
         self._backend = backend
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
 
     @classmethod
     def from_release(cls, model_dir: str | Path) -> Tokenizer:
@@ -77,7 +87,22 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        out: list[list[int] | None] = [None] * len(texts)
+        with self._lock:
+            for i, text in enumerate(texts):
+                if len(text) >= self.CACHED_MIN_CHARS and text in self._cache:
+                    self._cache.move_to_end(text)
+                    out[i] = self._cache[text]
+        todo = [i for i, ids in enumerate(out) if ids is None]
+        fresh = self._backend.encode_batch([texts[i] for i in todo], add_special_tokens=False)
+        for i, encoding in zip(todo, fresh, strict=True):
+            out[i] = encoding.ids
+            if len(texts[i]) >= self.CACHED_MIN_CHARS:
+                with self._lock:
+                    self._cache[texts[i]] = encoding.ids
+                    while len(self._cache) > self.CACHE_ENTRIES:
+                        self._cache.popitem(last=False)
+        return out
 
 
 def render(value: Any) -> str:

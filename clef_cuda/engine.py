@@ -65,6 +65,10 @@ class EngineConfig:
     confidence: str = "clef"
     snapshot_fraction: float = 0.25  # of the cache budget, for prefix snapshots (state slots + head rows)
     max_snapshots: int = 256
+    # A reuse point costs an extra trunk step (prefill must stop there to snapshot the state), so one is
+    # planned only when it saves at least this many tokens over the previous one; shorter prefixes are
+    # cheaper to recompute.
+    min_snapshot_tokens: int = 256
 
 
 @dataclass
@@ -108,10 +112,12 @@ class MemoryPlan:
 
     def describe(self, block_size: int, max_model_len: int) -> str:
         tokens = self.num_blocks * block_size
+        allocated = self.num_blocks * self.block_bytes + (self.running_slots + self.snapshot_slots) * self.slot_bytes
         return (
-            f"cache budget {self.budget_bytes / 2**20:.0f} MiB: {self.num_blocks} KV blocks x {block_size} = {tokens} "
-            f"tokens ({tokens / max_model_len:.1f} records of {max_model_len}); {self.running_slots} running state "
-            f"slots + {self.snapshot_slots} prefix snapshots ({self.slot_bytes / 2**20:.1f} MiB each)"
+            f"cache: {allocated / 2**20:.0f} MiB allocated of a {self.budget_bytes / 2**20:.0f} MiB budget: "
+            f"{self.num_blocks} KV blocks x {block_size} = {tokens} tokens ({tokens / max_model_len:.1f} records of "
+            f"{max_model_len}); {self.running_slots} running state slots + {self.snapshot_slots} prefix snapshots "
+            f"({self.slot_bytes / 2**20:.2f} MiB each)"
         )
 
 
@@ -158,8 +164,9 @@ class Engine:
             decider.device,
             decider.trunk.dtype,
         )
+        # Slots [0, running) hold running sequences; [running, running + snapshots) hold prefix snapshots.
         self.running_slots = FreeList(self.plan.running_slots)
-        self.snapshot_slots = FreeList(self.plan.snapshot_slots)
+        self.snapshot_slots = FreeList(self.plan.snapshot_slots, first=self.plan.running_slots)
         self.blocks = BlockPool(self.plan.num_blocks)
         self.prefix_cache = PrefixCache()
         self.prefix_cache_bytes = 0
@@ -172,6 +179,8 @@ class Engine:
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
+        # The joint head of finished records runs here, beside the scheduler's next trunk step.
+        self._head_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="clef-head")
         # Counters read by the HTTP layer's /metrics.
         self.completed = 0
         self.failed = 0
@@ -247,6 +256,7 @@ class Engine:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._head_thread.shutdown(wait=True)
 
     # ---- the scheduler (engine thread) -------------------------------------------------------------
     def _loop(self) -> None:
@@ -283,11 +293,17 @@ class Engine:
             self._queue = kept
 
     def _reuse_points(self, record: EncodedRecord) -> list[int]:
+        """Block-aligned ends of the state and of the schema, where worth a snapshot (ascending)."""
         if not self.config.prefix_cache or self.plan.snapshot_slots == 0:
             return []
         bs = self.config.block_size
-        ends = (record.prefix_tokens + record.state_tokens, record.num_tokens - record.suffix_tokens)
-        return sorted({e // bs * bs for e in ends if 0 < e // bs * bs < record.num_tokens})
+        points, previous = [], 0
+        for end in (record.prefix_tokens + record.state_tokens, record.num_tokens - record.suffix_tokens):
+            point = end // bs * bs
+            if point - previous >= self.config.min_snapshot_tokens and point < record.num_tokens:
+                points.append(point)
+                previous = point
+        return points
 
     def _lookup(self, record: EncodedRecord, layout_spans: list[tuple[int, int]]) -> tuple[PrefixEntry | None, bytes]:
         for point in reversed(self._reuse_points(record)):
@@ -297,6 +313,9 @@ class Engine:
             if entry is not None and all((s, min(e, point)) in entry.span_sums for s, e in layout_spans if s < point):
                 return entry, key
         return None, b""
+
+    def _cached(self, record: EncodedRecord, point: int) -> bool:
+        return PrefixCache.key(record.input_ids[:point]) in self.prefix_cache
 
     def _evict_for(self, blocks_needed: int) -> bool:
         while self.blocks.available < blocks_needed:
@@ -355,7 +374,7 @@ class Engine:
                     slot=slot[0],
                     blocks=(entry.blocks if entry is not None else []) + new_blocks,
                     position=reused,
-                    reuse_points=[p for p in self._reuse_points(record) if p > reused],
+                    reuse_points=[p for p in self._reuse_points(record) if p > reused and not self._cached(record, p)],
                     cached_tokens=reused,
                     started=time.perf_counter(),
                 )
@@ -425,17 +444,26 @@ class Engine:
                 self._finish(seq)
 
     def _finish(self, seq: _Sequence, error: BaseException | None = None) -> None:
+        """Release the sequence's slot and blocks (the head needs neither), then answer it on the head
+        thread, so the next trunk step does not wait for this record's head."""
         self._running.remove(seq)
-        try:
-            if error is None:
-                body = self._answer(seq)
-        finally:
-            self.blocks.release(seq.blocks)
-            self.running_slots.give_back([seq.slot])
+        self.blocks.release(seq.blocks)
+        self.running_slots.give_back([seq.slot])
         if error is not None:
             self.failed += 1
             if not seq.ticket.future.done():
                 seq.ticket.future.set_exception(error)
+            return
+        self._head_thread.submit(self._answer_into_future, seq)
+
+    def _answer_into_future(self, seq: _Sequence) -> None:
+        try:
+            with torch.inference_mode():
+                body = self._answer(seq)
+        except Exception as error:  # a server fault: the request fails, the server goes on
+            log.exception("answering a record failed")
+            self.failed += 1
+            seq.ticket.future.set_exception(error)
             return
         self.completed += 1
         seq.ticket.future.set_result(body)

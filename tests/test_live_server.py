@@ -1,0 +1,134 @@
+"""A real uvicorn server on 127.0.0.1: the official client (typesafe-sdk) works unchanged against it, a client
+that disconnects mid-prefill frees its slot and blocks, and the CLI fails cleanly on bad flags."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from live import live_server
+from releases import tiny_release
+
+from app.server import ServerSettings
+from clef_cuda import Decider
+from clef_cuda.engine import Engine, EngineConfig
+
+KEY = "sdk-test-key"
+
+
+@pytest.fixture(scope="module")
+def engine_factory():
+    decider = Decider.from_release(tiny_release(), device="cpu", progress=False)
+
+    def make(**config):
+        return Engine(decider, EngineConfig(**({"max_model_len": 8192, "kv_fraction": 0.05} | config)))
+
+    return make
+
+
+def test_official_client_works_unchanged(engine_factory):
+    from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeClient
+
+    with live_server(engine_factory(), ServerSettings(api_key=KEY)) as (url, _):
+        with TypeSafeClient(base_url=url, api_key=KEY, retry=RetryPolicy(max_retries=0), timeout=60) as client:
+            result = client.system_one(
+                state="Checkout has been failing for every customer for the last hour. " * 20,  # > 1 KiB: zstd
+                questions={
+                    "outage": Noul(instructions="Is a service down?"),
+                    "department": Choice(
+                        instructions="Which team should handle the message?",
+                        criteria={"billing": "Payments, invoices, or refunds", "technical": "Bugs, outages"},
+                    ),
+                    "urgency": Score(instructions="How soon?", criteria=["Can wait", "This week", "Today"]),
+                },
+            )
+            assert 0 <= result.nouls["outage"].noul <= 1
+            assert result.choices["department"].choice in {"billing", "technical"}
+            assert 0 <= result.scores["urgency"].score <= 2
+            assert result.model == "clef-flash" and result.usage.input_tokens > 0
+            assert any(m.name == "clef-flash" for m in client.models.list().models)
+
+
+def test_disconnect_mid_prefill_frees_everything(engine_factory):
+    engine = engine_factory(prefill_chunk_size=16, prefix_cache=False, max_num_seqs=2)
+    with live_server(engine, ServerSettings()) as (_, port):
+        body = json.dumps({"model": "clef-flash", "state": "slow " * 1500, "questions": {"q": {"type": "noul"}}})
+        raw = (
+            f"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(raw)
+                for _ in range(400):  # wait until the engine is prefilling it
+                    if engine.running:
+                        break
+                    time.sleep(0.01)
+                assert engine.running == 1
+            # the socket is closed mid-prefill
+        for _ in range(400):
+            if engine.running == 0 and engine.queue_depth == 0:
+                break
+            time.sleep(0.025)
+        assert engine.running == 0 and engine.queue_depth == 0
+        assert engine.blocks.used == 0 and engine.running_slots.available == engine.plan.running_slots
+        assert engine.failed >= 3 and engine.completed == 1  # the warm-up; the three went nowhere
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--port", "abc"], "--p/--port"),
+        (["--kv-fraction", "1.5"], "--kv-fraction"),
+        (["--dtype", "f8"], "--dtype"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--w", "/nonexistent/clef-flash"], "--w /nonexistent/clef-flash: not a directory"),
+        (["--d", "7"], "--d"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+    ],
+)
+def test_bad_flags_are_one_line_errors_with_exit_2(args, words):
+    done = _cli(*args)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and words in lines[0], done.stderr
+
+
+def test_bad_model_directory_is_a_one_line_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    done = _cli("--w", str(tmp_path))
+    assert done.returncode == 2
+    assert "config.json: field 'model_type' is 'llama'" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_seed_deployment_arguments_parse():
+    from app.cli import build_parser
+
+    seed = [
+        "--w",
+        "/mnt/models/clef-flash",
+        "--d",
+        "0",
+        "--dtype",
+        "f16",
+        "--p",
+        "8080",
+        "--max-num-seqs",
+        "4",
+        "--kv-fraction",
+        "0.30",
+        "--prefill-chunk-size",
+        "1024",
+    ]
+    args = build_parser().parse_args(seed)
+    assert (args.weights, args.device, args.dtype, args.port) == ("/mnt/models/clef-flash", "0", "f16", 8080)
+    assert (args.max_num_seqs, args.kv_fraction, args.prefill_chunk_size) == (4, 0.30, 1024)
+    assert not args.disable_prefix_cache and args.max_model_len == 16384 and args.served_model_name == "clef-flash"

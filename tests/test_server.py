@@ -1,0 +1,348 @@
+"""The HTTP contract (shared/specs/systemone-api.md): every status code and error shape, compressed bodies,
+extensions, /v1/models, /health, /ready, /metrics; concurrency; prefix-cache exactness; cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import random
+import threading
+
+import httpx
+import pytest
+import zstandard
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from random_requests import random_request
+from releases import tiny_release
+
+from app.server import ServerSettings, create_app
+from clef_cuda import Decider, answers
+from clef_cuda.engine import Engine, EngineConfig
+
+KEY = "s3cret-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+OK = {"model": "clef-flash", "state": "Checkout fails for everyone.", "questions": {"outage": {"type": "noul"}}}
+
+
+@pytest.fixture(scope="module")
+def decider():
+    return Decider.from_release(tiny_release(), device="cpu", progress=False)
+
+
+def make_engine(decider, **config) -> Engine:
+    defaults = dict(max_num_seqs=4, prefill_chunk_size=128, max_model_len=4096, kv_fraction=0.05)
+    return Engine(decider, EngineConfig(**(defaults | config)))
+
+
+@pytest.fixture(scope="module")
+def client(decider):
+    app = create_app(ServerSettings(api_key=KEY, max_body_bytes=200_000), engine=make_engine(decider))
+    with TestClient(app) as c:
+        yield c
+
+
+def post(client, body, headers=AUTH, **kwargs):
+    return client.post("/v1/systemone", json=body, headers=headers, **kwargs)
+
+
+def assert_error(response, status: int, error_type: str):
+    assert response.status_code == status, response.text
+    detail = response.json()["detail"]
+    assert set(detail) == {"error_type", "message"} and detail["error_type"] == error_type and detail["message"]
+
+
+def assert_422(response):
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert isinstance(detail, list) and detail
+    for item in detail:
+        assert item["loc"][0] == "body" and isinstance(item["msg"], str) and isinstance(item["type"], str)
+
+
+# ---- success ---------------------------------------------------------------------------------------
+def test_answers_in_request_order_with_usage_and_extensions(client):
+    body = {
+        "model": "clef-flash",
+        "state": {"ticket": "refund not received", "order": 42},
+        "questions": {
+            "z-last": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "mid", "high"]},
+            "team": {"type": "choice", "criteria": {"sales": "New purchases", "billing": None}},
+            "refund": {"type": "noul", "criteria": {"true": "A refund is requested."}},
+        },
+        "unknown_field": "ignored",
+    }
+    response = post(client, body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["model"] == "clef-flash" and list(data["answers"]) == ["z-last", "team", "refund"]
+    assert isinstance(data["usage"]["input_tokens"], int) and data["usage"]["output_tokens"] == 0
+    assert list(data["answers"]["team"]["probabilities"]) == ["sales", "billing"]
+    assert abs(sum(data["answers"]["team"]["probabilities"].values()) - 1) < 2e-4
+    assert set(data["answers"]["z-last"]) == {"type", "score", "confidence", "legend", "probabilities"}
+    assert set(data["answers"]["refund"]) == {"type", "noul"}
+    assert isinstance(data["x_cached_tokens"], int) and set(data["x_timing_ms"]) == {"queue", "prefill", "total"}
+
+
+def test_alias_is_accepted_and_answered_with_the_served_name(client):
+    response = post(client, OK | {"model": "jev-latest"})
+    assert response.status_code == 200 and response.json()["model"] == "clef-flash"
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "zstd"])
+def test_compressed_bodies(client, encoding):
+    raw = json.dumps(OK).encode()
+    data = gzip.compress(raw) if encoding == "gzip" else zstandard.ZstdCompressor().compress(raw)
+    response = client.post("/v1/systemone", content=data, headers=AUTH | {"Content-Encoding": encoding})
+    assert response.status_code == 200, response.text
+
+
+# ---- 4xx -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_missing_or_wrong_key_is_401(client, headers):
+    response = post(client, OK, headers=headers)
+    assert_error(response, 401, "authentication_error")
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_unknown_model_is_404(client):
+    assert_error(post(client, OK | {"model": "gpt-5"}), 404, "not_found_error")
+
+
+def test_unknown_path_and_method(client):
+    assert_error(client.get("/v1/nothing"), 404, "not_found_error")
+    assert_error(client.get("/v1/systemone", headers=AUTH), 405, "method_not_allowed")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "clef-flash", "questions": {"q": {"type": "noul"}}},  # no state
+        {"model": "clef-flash", "state": "s"},  # no questions
+        {"model": "clef-flash", "state": "s", "questions": {}},
+        {"model": "clef-flash", "state": 7, "questions": {"q": {"type": "noul"}}},
+        {"state": "s", "questions": {"q": {"type": "noul"}}},  # no model
+        {"model": "clef-flash", "state": "s", "questions": {"q": {"type": "maybe"}}},
+        {"model": "clef-flash", "state": "s", "questions": {"q": {"type": "choice"}}},
+        {"model": "clef-flash", "state": "s", "questions": {"q": {"type": "choice", "criteria": {"only": "one"}}}},
+        {
+            "model": "clef-flash",
+            "state": "s",
+            "questions": {"q": {"type": "choice", "criteria": {str(i): None for i in range(256)}}},
+        },
+        {
+            "model": "clef-flash",
+            "state": "s",
+            "questions": {"q": {"type": "score", "criteria": {"0": "low", "1": "high"}}},
+        },
+        {"model": "clef-flash", "state": "s", "questions": {"q": {"type": "score", "criteria": ["one"]}}},
+        {"model": "clef-flash", "state": "s", "questions": {"q": {"type": "score", "criteria": list("abcdefghijk")}}},
+        {"model": "clef-flash", "state": "s", "questions": {"": {"type": "noul"}}},
+        {"model": "clef-flash", "state": "s", "questions": {f"q{i}": {"type": "noul"} for i in range(65)}},
+        {"model": "clef-flash", "state": "s", "questions": {"q": {"type": "noul", "criteria": ["true"]}}},
+        [1, 2, 3],
+    ],
+)
+def test_invalid_bodies_are_422_in_fastapi_shape(client, body):
+    assert_422(post(client, body))
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe\x00", b"null"])
+def test_non_json_bodies_are_422(client, raw):
+    assert_422(client.post("/v1/systemone", content=raw, headers=AUTH))
+
+
+def test_over_the_token_budget_is_413_with_counts(client):
+    response = post(client, OK | {"state": "word " * 5000})
+    assert_error(response, 413, "request_too_large")
+    assert "tokens" in response.json()["detail"]["message"] and "4096" in response.json()["detail"]["message"]
+
+
+def test_oversized_and_undecodable_bodies(client):
+    assert_error(client.post("/v1/systemone", content=b"x" * 200_001, headers=AUTH), 413, "request_too_large")
+    bomb = gzip.compress(json.dumps(OK | {"state": "a" * 400_000}).encode())  # small on the wire, big inside
+    assert_error(
+        client.post("/v1/systemone", content=bomb, headers=AUTH | {"Content-Encoding": "gzip"}),
+        413,
+        "request_too_large",
+    )
+    assert_error(
+        client.post("/v1/systemone", content=b"garbage", headers=AUTH | {"Content-Encoding": "zstd"}),
+        400,
+        "invalid_request_error",
+    )
+    assert_error(
+        client.post("/v1/systemone", content=b"{}", headers=AUTH | {"Content-Encoding": "br"}),
+        415,
+        "unsupported_media_type",
+    )
+
+
+# ---- other endpoints --------------------------------------------------------------------------------
+def test_models_health_ready(client):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["models"][0]["name"] == "clef-flash"
+    assert models["data"][0] == models["data"][0] | {"id": "clef-flash", "object": "model"}
+    assert client.get("/health").json() == {"status": "ok"} and client.get("/ready").status_code == 200
+
+
+def test_metrics_parse_and_count(client):
+    post(client, OK)
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for name in (
+        "clef_requests",
+        "clef_request_latency_seconds",
+        "clef_prompt_tokens",
+        "clef_cached_tokens",
+        "clef_queue_depth",
+        "clef_running_sequences",
+        "clef_kv_blocks_used",
+        "clef_state_slots_used",
+        "clef_prefix_cache_hits",
+        "clef_prefix_cache_misses",
+        "clef_prefix_cache_evictions",
+    ):
+        assert name in families, name
+    statuses = {s.labels["status"] for s in families["clef_requests"].samples if s.name == "clef_requests_total"}
+    assert "200" in statuses
+
+
+def test_not_ready_and_queue_full_are_503_with_retry_after(decider):
+    loading = create_app(ServerSettings(), load_engine=lambda: (_ for _ in ()).throw(RuntimeError("no weights")))
+    with TestClient(loading) as c:
+        for _ in range(100):
+            if c.get("/ready").json()["detail"]["message"] != "loading":
+                break
+        response = c.post("/v1/systemone", json=OK)
+        assert_error(response, 503, "service_unavailable")
+        assert response.headers["retry-after"]
+        assert "no weights" in c.get("/ready").json()["detail"]["message"]
+
+    class GatedEngine(Engine):  # its scheduler waits for the test's go before admitting anything
+        gate = threading.Event()
+
+        def _admit(self):
+            self.gate.wait(60)
+            super()._admit()
+
+    engine = GatedEngine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.05, max_queue=1))
+    app = create_app(ServerSettings(), engine=engine, warm_up=False)
+    with TestClient(app) as c:
+        first = engine.submit(OK)  # takes the one queue place: the scheduler is held at the gate
+        response = c.post("/v1/systemone", json=OK)
+        assert_error(response, 503, "overloaded_error")
+        assert response.headers["retry-after"] == "1"
+        GatedEngine.gate.set()
+        assert first.future.result(60)["answers"]["outage"]["type"] == "noul"
+
+
+# ---- concurrency, exactness, cleanup -------------------------------------------------------------
+def test_32_concurrent_requests_equal_sequential_answers(decider):
+    requests = [random_request(random.Random(100 + i)) for i in range(32)]
+    app = create_app(ServerSettings(), engine=make_engine(decider, max_num_seqs=4, prefill_chunk_size=96))
+
+    async def run_all():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/systemone", json=r) for r in requests))
+
+    with TestClient(app):  # runs the lifespan (engine start, warm-up)
+        together = asyncio.run(run_all())
+    for request, response in zip(requests, together, strict=True):
+        assert response.status_code == 200, response.text
+        alone = decider.decide(request)
+        assert response.json()["answers"] == alone["answers"]
+        assert response.json()["usage"] == alone["usage"]
+
+
+def test_prefix_cache_hits_give_the_cold_answers(decider, monkeypatch):
+    """Same long state, new questions: the second record starts from the cached state snapshot, and its
+    unrounded probabilities equal a cold run's (no prefix cache) to 1e-6."""
+    seen: list[dict] = []
+    real_answer = answers.answer
+
+    def record(question, probabilities, confidence="clef"):
+        seen.append(dict(probabilities))
+        return real_answer(question, probabilities, confidence)
+
+    monkeypatch.setattr(answers, "answer", record)
+    state = {"log": " ".join(f"line {i}: checkout ERROR payment declined" for i in range(60))}
+    first = {"model": "clef-flash", "state": state, "questions": {"a": {"type": "noul", "instructions": "down?"}}}
+    second = {
+        "model": "clef-flash",
+        "state": state,
+        "questions": {
+            "b": {"type": "choice", "criteria": {"x": "one", "y": "two", "z": None}},
+            "c": {"type": "score", "criteria": ["lo", "hi"]},
+        },
+    }
+    results = {}
+    for cached in (True, False):
+        engine = make_engine(decider, prefix_cache=cached)
+        engine.start()
+        try:
+            engine.decide(first, timeout=60)
+            seen.clear()
+            body = engine.decide(second, timeout=60)
+            results[cached] = (body, list(seen))
+            if cached:
+                assert body["x_cached_tokens"] >= decider.encode(second).state_tokens
+                assert engine.prefix_cache.hits >= 1
+            else:
+                assert body["x_cached_tokens"] == 0
+        finally:
+            engine.stop(10)
+    warm, cold = results[True], results[False]
+    assert warm[0]["answers"] == cold[0]["answers"]
+    for w, c in zip(warm[1], cold[1], strict=True):
+        assert max(abs(w[k] - c[k]) for k in w) < 1e-6
+
+
+def test_identical_records_reuse_the_schema_too(decider):
+    engine = make_engine(decider)
+    engine.start()
+    try:
+        request = random_request(random.Random(3))
+        first = engine.decide(request, timeout=60)
+        again = engine.decide(request, timeout=60)
+        record = decider.encode(request)
+        assert again["x_cached_tokens"] >= (record.num_tokens - record.suffix_tokens) // 16 * 16
+        assert again["answers"] == first["answers"]
+    finally:
+        engine.stop(10)
+
+
+def test_prefix_cache_evicts_under_pressure_and_counters_return_to_baseline(decider):
+    engine = make_engine(decider, max_snapshots=3)
+    engine.start()
+    try:
+        for i in range(12):
+            engine.decide(random_request(random.Random(200 + i), max_choice=4, state_words=(5, 40)), timeout=60)
+        assert len(engine.prefix_cache) <= 3 and engine.prefix_cache.evictions > 0
+        assert engine.running == 0 and engine.queue_depth == 0
+        assert engine.running_slots.available == engine.plan.running_slots
+        held = sum(len(e.blocks) for e in engine.prefix_cache._entries.values())
+        assert engine.blocks.used <= held  # only cache entries hold blocks once idle
+    finally:
+        engine.stop(10)
+
+
+def test_cancelled_requests_free_their_slot_and_blocks(decider):
+    engine = make_engine(decider, prefill_chunk_size=16, prefix_cache=False)
+    engine.start()
+    try:
+        long = OK | {"state": "word " * 600}
+        tickets = [engine.submit(long) for _ in range(6)]
+        for t in tickets:
+            engine.cancel(t)
+        for t in tickets:
+            try:
+                t.future.result(60)
+            except Exception as error:
+                assert type(error).__name__ == "RequestCancelledError"
+        engine.decide(OK, timeout=60)  # the engine still serves
+        assert engine.running == 0 and engine.queue_depth == 0 and engine.blocks.used == 0
+        assert engine.running_slots.available == engine.plan.running_slots
+    finally:
+        engine.stop(10)
