@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 503")
     p.add_argument("--max-body-bytes", type=_positive_int, default=32 * 2**20, help="request body limit (413)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gives up (503)")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (408)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=90.0,
+        help="on SIGTERM: seconds to let in-flight requests finish (new ones get 503) before exiting",
+    )
+    p.add_argument("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     return p
 
@@ -159,20 +167,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ReleaseError) as error:
         parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
 
-    import uvicorn
-
-    from app.server import ServerSettings, create_app
+    from app.server import DrainingServer, ServerSettings, create_app
 
     settings = ServerSettings(
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
+        body_timeout=args.body_timeout,
         model_description=description,
+        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
     )
     app = create_app(settings, load_engine=lambda: make_engine(args))
     log.info("listening on %s:%d (model loading in the background; /ready says when it is done)", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    # Request bodies and the API key are never logged (no access log; errors name no body or header).
+    DrainingServer.run_app(app, args.host, args.port, args.log_level, args.drain_timeout)
     return 0
 
 

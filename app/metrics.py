@@ -43,6 +43,9 @@ class Metrics:
         )
         self.prefix_evictions = Gauge("clef_prefix_cache_evictions", "Prefix-cache entries evicted", registry=r)
         self.prefix_entries = Gauge("clef_prefix_cache_entries", "Prefix-cache entries held", registry=r)
+        self.prefix_blocks = Gauge(
+            "clef_prefix_cache_blocks", "KV blocks held by prefix-cache entries (one snapshot slot each)", registry=r
+        )
         self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed up and taking requests", registry=r)
 
     def observe_engine(self, engine) -> None:
@@ -60,6 +63,7 @@ class Metrics:
         self.prefix_misses.set(cache.misses)
         self.prefix_evictions.set(cache.evictions)
         self.prefix_entries.set(len(cache))
+        self.prefix_blocks.set(cache.blocks_held)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

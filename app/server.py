@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -41,6 +42,8 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 32 * 2**20  # compressed or not, and again after decompression
     request_timeout: float = 600.0
+    body_timeout: float = 30.0  # seconds to receive a whole request body (slow or stalled clients: 408)
+    cors_origins: tuple[str, ...] = ()  # no CORS headers at all unless origins are configured
     model_description: str = "clef-flash System One decision model"
     release_date: str = "2026-10-01"
     disconnect_poll_seconds: float = 0.05
@@ -61,6 +64,11 @@ class ServerState:
         self.engine: Engine | None = None
         self.status = "loading"
         self.error: str | None = None
+        self.in_flight = 0  # decision requests being handled (a drain waits for them)
+
+    def idle(self) -> bool:
+        engine = self.engine
+        return self.in_flight == 0 and (engine is None or (engine.queue_depth == 0 and engine.running == 0))
 
 
 def error_response(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -111,16 +119,26 @@ def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The body, refusing one over `limit` before reading it (by Content-Length) or as soon as it passes the
+    limit, and one that does not arrive within `timeout` seconds (a stalled or trickling client)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ClientError(413, "request_too_large", f"the request body ({declared} bytes) exceeds {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ClientError(413, "request_too_large", f"the request body exceeds {limit} bytes")
-        chunks.append(chunk)
+
+    async def receive_all() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ClientError(413, "request_too_large", f"the request body exceeds {limit} bytes")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive_all(), timeout)
+    except TimeoutError as error:
+        raise ClientError(408, "request_timeout", f"the request body did not arrive within {timeout:.0f} s") from error
     return b"".join(chunks)
 
 
@@ -171,6 +189,15 @@ def create_app(
             await run_in_threadpool(state.engine.stop, 60.0)
 
     app = FastAPI(title="clef-serve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Content-Encoding"],
+        )
     app.state.server = state
     app.state.metrics = metrics
     app.state.settings = settings
@@ -229,7 +256,11 @@ def create_app(
     )
     async def systemone(request: Request) -> Response:
         started = time.perf_counter()
-        response = await _systemone(request)
+        state.in_flight += 1
+        try:
+            response = await _systemone(request)
+        finally:
+            state.in_flight -= 1
         metrics.requests.labels(status=str(response.status_code)).inc()
         if response.status_code == 200:
             metrics.latency.observe(time.perf_counter() - started)
@@ -239,7 +270,7 @@ def create_app(
         try:
             check_auth(request)
             engine = ready_engine()
-            raw = await _read_body(request, settings.max_body_bytes)
+            raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout)
             raw = _decompress(raw, request.headers.get("content-encoding", ""), settings.max_body_bytes)
             try:
                 body = json.loads(raw)
@@ -344,4 +375,56 @@ def create_app(
         metrics.observe_engine(state.engine)
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document plus the request body's schema: the route reads the raw body itself (to decode
+    gzip/zstd and bound its size), so the schema is declared here, with its parts under components."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        body = SystemOneRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(body.pop("$defs", {}))
+        schemas["SystemOneRequest"] = body
+        document["paths"]["/v1/systemone"]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SystemOneRequest"}}},
+        }
+        app.openapi_schema = document
+    return app.openapi_schema
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains: /ready turns 503 and new decisions get 503 (with
+    Retry-After) while the in-flight ones finish, for at most drain_timeout seconds; then uvicorn's own
+    graceful stop and the engine's shutdown, exit code 0. A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._app, self._drain_timeout, self._draining = app, drain_timeout, False
+
+    @classmethod
+    def run_app(cls, app: FastAPI, host: str, port: int, log_level: str, drain_timeout: float) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+        cls(config, app, drain_timeout).run()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._draining:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        log.info("signal %s: draining (at most %.0f s)", sig, self._drain_timeout)
+        self._app.state.drain()
+        threading.Thread(target=self._stop_when_idle, name="clef-drain", daemon=True).start()
+
+    def _stop_when_idle(self) -> None:
+        deadline = time.monotonic() + self._drain_timeout
+        state: ServerState = self._app.state.server
+        while time.monotonic() < deadline and not state.idle():
+            time.sleep(0.05)
+        # Not super().handle_exit: uvicorn would re-raise the recorded signal after its shutdown and the
+        # process would die of SIGTERM. A completed drain is a clean exit: code 0.
+        self.should_exit = True

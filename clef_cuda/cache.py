@@ -201,3 +201,8 @@ class PrefixCache:
     @property
     def bytes(self) -> int:
         return sum(e.bytes for e in self._entries.values())
+
+    @property
+    def blocks_held(self) -> int:
+        """Distinct blocks the entries hold (a state-end entry's blocks are a prefix of the schema-end one's)."""
+        return len({b for e in self._entries.values() for b in e.blocks})
