@@ -8,10 +8,11 @@ import random
 
 import pytest
 import torch
+from faults import KeyBandZeroedOps
 from random_requests import features, random_request
 from releases import mid_release, reference_model, tiny_release
 
-from clef_cuda import Decider, ops
+from clef_cuda import Decider
 from clef_cuda.errors import RequestError, RequestTooLongError
 
 PROBABILITY_TOLERANCE = 1e-4
@@ -173,21 +174,6 @@ def test_chunking_does_not_change_answers(tiny):
 
 
 # ---- the seed's bug at model level ----------------------------------------------------------------
-class KeyBandZeroedOps:
-    """Test-only fault injection: clef_cuda.ops with the seed's broken conv (key band zeroed)."""
-
-    def __init__(self, key_dim: int) -> None:
-        self.key_dim = key_dim
-
-    def causal_conv1d_fwd(self, *args, **kwargs):
-        out = ops.causal_conv1d_fwd(*args, **kwargs)
-        out[:, self.key_dim : 2 * self.key_dim] = 0
-        return out
-
-    def __getattr__(self, name):
-        return getattr(ops, name)
-
-
 def test_zeroed_key_band_is_caught_by_the_parity_check(mid):
     healthy, reference = mid
     path = mid_release()
