@@ -1,0 +1,104 @@
+"""training/: the trainable clef-tiny is the serving math (references + autograd against the Decider's
+kernels and caches, healthy and with the seed's bug injected), training is deterministic and writes a
+release the server loads, and the HTTP evaluation harness scores it through the real server path."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from faults import KeyBandZeroedOps
+
+from clef_cuda import Decider
+from clef_cuda.head import RecordLayout
+from training import evaluate, synthetic, train
+from training.model import TrainableClef
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A release from a 3-step training run (the pipeline end to end, not a useful model)."""
+    out = tmp_path_factory.mktemp("clef-tiny")
+    done = subprocess.run(
+        [sys.executable, "-m", "training.train", "--out", str(out), "--steps", "3", "--eval-every", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_training_forward_is_the_serving_forward(trained, tmp_path):
+    """training/model.py (references, autograd) and the Decider (kernels, caches) agree on the same weights,
+    healthy and with the conv's key band zeroed."""
+    model = TrainableClef(train.TRUNK, train.HEAD, seed=3)
+    with torch.no_grad():  # the release stores bf16: compare on exactly those weights
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    train.write_release(model, (trained / "tokenizer.json").read_text(), tmp_path, {})
+    served = Decider.from_release(tmp_path, device="cpu", progress=False)
+    broken = Decider.from_release(
+        tmp_path, device="cpu", progress=False, ops=KeyBandZeroedOps(served.config.trunk.key_dim)
+    )
+    rng = random.Random(5)
+    for split in ("train", "heldout", "heldout"):
+        example = synthetic.make_example(rng, split)
+        record = served.encode(example.request)
+        healthy_probs = None
+        for decider, zero in ((served, False), (broken, True)):
+            with torch.no_grad():
+                hidden = model.hidden_states(torch.tensor([record.input_ids]), [record.num_tokens], zero)
+                logits = model.logits(hidden[0], RecordLayout.from_record(record, "cpu"))
+            got = [p for q in decider.probabilities(record) for p in q]
+            want, cursor = [], 0
+            for question in record.questions:
+                n = len(question.option_ids)
+                want += logits[cursor : cursor + n].softmax(0).tolist()
+                cursor += n
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-4
+            healthy_probs = healthy_probs or got
+        assert healthy_probs != got  # the fault changes the answers: it reaches the delta nets
+
+
+def test_training_is_deterministic(trained, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "training.train", "--out", str(tmp_path), "--steps", "3", "--eval-every", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("model.safetensors", "joint_head.safetensors", "tokenizer.json", "config.json"):
+        assert (trained / name).read_bytes() == (tmp_path / name).read_bytes(), name
+
+
+def test_evaluation_harness_scores_a_release_over_http(trained):
+    """Both passes reach the server, every answer is scored, the second pass hits the prefix cache."""
+    scores = evaluate.evaluate(trained, 6)
+    assert scores.requests == 12 and scores.failures == 0
+    assert scores.questions >= 12 and 0.0 <= scores.brier_score <= 2.0
+    assert sum(n for _, n in scores.by_question.values()) == scores.questions
+    assert scores.cached_tokens > 0
+
+
+def test_synthetic_answers_follow_from_the_state():
+    """Spot checks of the generator's labels against the text it wrote."""
+    rng = random.Random(11)
+    for _ in range(200):
+        example = synthetic.make_example(rng, rng.choice(synthetic.SPLITS))
+        state = example.request["state"]
+        if "last_error" in example.answers:
+            last = state.splitlines()[-1]
+            assert (example.answers["last_error"] == "true") == (" ERROR " in last)
+        if "status" in example.answers:
+            events = [line.rsplit(" ", 1)[-1] for line in state.splitlines()[1:] if "refund" not in line]
+            assert example.answers["status"] == events[-1]

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""How well clef-tiny decides, measured through the real server path: HTTP to a live clef-serve app, the
+engine's batching and prefix cache, the clef_cuda kernels. Prints a table: held-out accuracy, Brier score
+and calibration, healthy and with the seed's bug (the conv's key band zeroed by test-only fault injection).
+
+    python -m training.evaluate --release /tmp/clef-tiny --count 300
+
+Each held-out example is asked twice: once with all its questions (concurrent requests: the engine batches
+them), then its state again with only its last question (the engine finds the state in the prefix cache).
+tests/test_training.py checks the harness itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training import synthetic
+
+HELDOUT_SEED = 10_000  # the held-out set train.py reports on (never trained on: other templates and values)
+
+
+@dataclass
+class Scores:
+    questions: int = 0
+    correct: int = 0
+    brier: float = 0.0  # summed over questions: sum_k (p_k - [k is right])^2
+    confidence_bins: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0, 0.0] for _ in range(10)])
+    by_question: dict[str, list[int]] = field(default_factory=dict)  # question id -> [correct, asked]
+    cached_tokens: int = 0
+    input_tokens: int = 0
+    requests: int = 0
+    failures: int = 0  # non-200 answers
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.questions, 1)
+
+    @property
+    def brier_score(self) -> float:
+        return self.brier / max(self.questions, 1)
+
+    @property
+    def expected_calibration_error(self) -> float:
+        """|mean confidence - accuracy| in ten bins of the top probability, weighted by bin size."""
+        total = sum(b[0] for b in self.confidence_bins)
+        return sum(abs(b[1] - b[2]) for b in self.confidence_bins if b[0]) / max(total, 1)
+
+    def add(self, question_id: str, distribution: dict[str, float], answer: str) -> None:
+        predicted = max(distribution, key=distribution.get)
+        right = predicted == answer
+        self.questions += 1
+        self.correct += right
+        self.brier += sum((p - (option == answer)) ** 2 for option, p in distribution.items())
+        top = distribution[predicted]
+        bin_ = self.confidence_bins[min(int(top * 10), 9)]
+        bin_[0], bin_[1], bin_[2] = bin_[0] + 1, bin_[1] + top, bin_[2] + right
+        tally = self.by_question.setdefault(question_id, [0, 0])
+        tally[0], tally[1] = tally[0] + right, tally[1] + 1
+
+
+def distribution(answer: dict) -> dict[str, float]:
+    """The probability of every option of one answer of the System One response."""
+    if answer["type"] == "noul":
+        return {"true": answer["noul"], "false": 1.0 - answer["noul"]}
+    return dict(answer["probabilities"])
+
+
+def heldout(count: int, seed: int = HELDOUT_SEED) -> list[synthetic.Example]:
+    return synthetic.dataset(seed, count, "heldout")
+
+
+def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency: int = 8) -> Scores:
+    """Both passes over the examples against a live server; every answer scored."""
+    import httpx
+
+    scores = Scores()
+
+    def post(client: httpx.Client, request: dict) -> dict | None:
+        response = client.post(f"{url}/v1/systemone", json=request, timeout=120)
+        return response.json() if response.status_code == 200 else None
+
+    def last_question_only(example: synthetic.Example) -> tuple[dict, dict[str, str]]:
+        qid = list(example.request["questions"])[-1]
+        request = dict(example.request, questions={qid: example.request["questions"][qid]})
+        return request, {qid: example.answers[qid]}
+
+    with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        for pass_ in (
+            [(dict(e.request, model=model), e.answers) for e in examples],
+            [(dict(r, model=model), a) for r, a in map(last_question_only, examples)],
+        ):
+            for (_, answers), body in zip(pass_, pool.map(lambda p: post(client, p[0]), pass_), strict=True):
+                scores.requests += 1
+                if body is None:
+                    scores.failures += 1
+                    continue
+                for qid, answer in body["answers"].items():
+                    scores.add(qid, distribution(answer), answers[qid])
+                scores.cached_tokens += body.get("x_cached_tokens", 0)
+                scores.input_tokens += body["usage"]["input_tokens"]
+    return scores
+
+
+@contextlib.contextmanager
+def serving(release: Path, ops=None, prefix_cache: bool = True):
+    """A live clef-serve app on 127.0.0.1 over `release` (with `ops` swapped in for fault injection)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from live import live_server
+
+    from app.server import ServerSettings
+    from clef_cuda import Decider
+    from clef_cuda.engine import Engine, EngineConfig
+
+    decider = Decider.from_release(release, device="cpu", progress=False, ops=ops)
+    # Snapshots from 32 saved tokens on: held-out states are short, and the second pass should find them.
+    engine = Engine(decider, EngineConfig(kv_fraction=0.05, prefix_cache=prefix_cache, min_snapshot_tokens=32))
+    with live_server(engine, ServerSettings(served_model_name="clef-tiny")) as (url, _):
+        yield url, decider
+
+
+def evaluate(release: Path, count: int, key_band_zeroed: bool = False) -> Scores:
+    ops = None
+    if key_band_zeroed:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from faults import KeyBandZeroedOps
+
+        from clef_cuda.config import load_release_config
+
+        ops = KeyBandZeroedOps(load_release_config(release).trunk.key_dim)
+    with serving(release, ops) as (url, _):
+        return ask_all(url, heldout(count), "clef-tiny")
+
+
+def table(healthy: Scores, broken: Scores, count: int) -> str:
+    rows = [
+        "| clef-tiny over HTTP | questions | accuracy | Brier | ECE | prefix-cached tokens | non-200 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in (("healthy kernels", healthy), ("conv key band zeroed (the seed's bug)", broken)):
+        rows.append(
+            f"| {name} | {s.questions} | {s.accuracy:.3f} | {s.brier_score:.3f} | "
+            f"{s.expected_calibration_error:.3f} | {s.cached_tokens / max(s.input_tokens, 1):.0%} | {s.failures} |"
+        )
+    rows += ["", "| question | healthy | key band zeroed |", "|---|---|---|"]
+    for qid in sorted(healthy.by_question):
+        h, b = healthy.by_question[qid], broken.by_question.get(qid, [0, 1])
+        rows.append(f"| {qid} | {h[0] / h[1]:.3f} ({h[1]}) | {b[0] / b[1]:.3f} |")
+    rows.append("")
+    rows.append(
+        f"{count} held-out examples, each asked twice (all questions, then the last one alone). Accuracy drop "
+        f"with the key band zeroed: {100 * (healthy.accuracy - broken.accuracy):.1f} points."
+    )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--release", type=Path, required=True, help="a release written by training.train")
+    parser.add_argument("--count", type=int, default=300)
+    args = parser.parse_args(argv)
+    release = args.release
+    healthy = evaluate(release, args.count)
+    broken = evaluate(release, args.count, key_band_zeroed=True)
+    print(table(healthy, broken, args.count))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
