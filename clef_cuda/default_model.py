@@ -23,7 +23,7 @@ WARNING = (
     "weights. Its answers are well-formed and WRONG. Pass --w /path/to/clef-flash to serve a real model."
 )
 
-SPECIAL_TOKENS = [
+SPECIAL_TOKENS = [  # the Qwen3.5 special tokens every release tokenizer carries (also tests/, training/)
     "<|endoftext|>",
     "<|im_start|>",
     "<|im_end|>",
@@ -74,8 +74,9 @@ def _tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _config_json(tokens: dict[str, int]) -> dict:
-    c = TRUNK
+def release_config(c: TrunkConfig, tokens: dict[str, int]) -> dict:
+    """config.json of a release with trunk `c` in clef-flash's layout (Qwen3.5, text config nested);
+    `tokens` is the tokenizer's vocabulary (for the end and padding ids). Also used by training/."""
     text = {
         "model_type": "qwen3_5_text",
         "hidden_size": c.hidden_size,
@@ -108,8 +109,11 @@ def _config_json(tokens: dict[str, int]) -> dict:
         "model_type": "qwen3_5",
         "text_config": text,
         "tie_word_embeddings": False,
-        "clef_cuda_default_model": VERSION,
     }
+
+
+def _config_json(tokens: dict[str, int]) -> dict:
+    return {**release_config(TRUNK, tokens), "clef_cuda_default_model": VERSION}
 
 
 def _random_tensors(

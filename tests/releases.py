@@ -14,17 +14,7 @@ from pathlib import Path
 
 import torch
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<think>",
-    "</think>",
-]
+from clef_cuda.default_model import SPECIAL_TOKENS
 
 CORPUS = [
     "Checkout has been failing for every customer for the last hour. Orders are blocked.",

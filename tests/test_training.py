@@ -24,7 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A release from a 3-step training run (the pipeline end to end, not a useful model)."""
-    out = tmp_path_factory.mktemp("clef-tiny")
+    return _train_three_steps(tmp_path_factory.mktemp("clef-tiny"))
+
+
+def _train_three_steps(out: Path) -> Path:
     done = subprocess.run(
         [sys.executable, "-m", "training.train", "--out", str(out), "--steps", "3", "--eval-every", "2"],
         capture_output=True,
@@ -69,14 +72,7 @@ def test_training_forward_is_the_serving_forward(trained, tmp_path):
 
 
 def test_training_is_deterministic(trained, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "training.train", "--out", str(tmp_path), "--steps", "3", "--eval-every", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr
+    _train_three_steps(tmp_path)
     for name in ("model.safetensors", "joint_head.safetensors", "tokenizer.json", "config.json"):
         assert (trained / name).read_bytes() == (tmp_path / name).read_bytes(), name
 

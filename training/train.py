@@ -28,22 +28,12 @@ from pathlib import Path
 import torch
 
 from clef_cuda.config import FULL_ATTENTION, LINEAR_ATTENTION, HeadConfig, TrunkConfig
+from clef_cuda.default_model import SPECIAL_TOKENS, release_config
 from clef_cuda.encoding import QWEN35_PRETOKENIZE_REGEX, Tokenizer, encode_request
 from clef_cuda.head import RecordLayout
 from training import synthetic
 from training.model import TrainableClef
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<think>",
-    "</think>",
-]
 VOCAB = 1024
 TRUNK = TrunkConfig(
     hidden_size=128,
@@ -105,43 +95,6 @@ def scaffolding_tokens(tokenizer_json: str) -> list[int]:
             if not any(ch in backend.id_to_token(token) for ch in marker):
                 ids.add(token)
     return sorted(ids)
-
-
-def release_config(tokens: dict[str, int]) -> dict:
-    c = TRUNK
-    text = {
-        "model_type": "qwen3_5_text",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "layer_types": list(c.layer_types),
-        "vocab_size": c.vocab_size,
-        "rms_norm_eps": c.rms_norm_eps,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "linear_num_key_heads": c.linear_num_key_heads,
-        "linear_num_value_heads": c.linear_num_value_heads,
-        "linear_key_head_dim": c.linear_key_head_dim,
-        "linear_value_head_dim": c.linear_value_head_dim,
-        "linear_conv_kernel_dim": c.linear_conv_kernel_dim,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": c.rope_theta,
-            "partial_rotary_factor": c.rotary_dim / c.head_dim,
-        },
-        "eos_token_id": tokens["<|im_end|>"],
-        "pad_token_id": tokens["<|endoftext|>"],
-    }
-    return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": text,
-        "tie_word_embeddings": False,
-    }
 
 
 def batch_loss(
@@ -208,7 +161,7 @@ def write_release(model: TrainableClef, tokenizer_json: str, out: Path, summary:
     (out / "joint_head_config.json").write_text(json.dumps(HEAD.__dict__, indent=2) + "\n")
     (out / "tokenizer.json").write_text(tokenizer_json)
     vocab = Backend.from_str(tokenizer_json).get_vocab(with_added_tokens=True)
-    (out / "config.json").write_text(json.dumps(release_config(vocab), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(release_config(TRUNK, vocab), indent=2) + "\n")
     (out / "TRAINING.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
