@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from clef_cuda import reference
 from clef_cuda.config import LINEAR_ATTENTION, HeadConfig, TrunkConfig
 from clef_cuda.head import JointSchemaHead, RecordLayout
+from clef_cuda.trunk import rms_norm
 from clef_cuda.weights import head_shapes, trunk_shapes
 
 
@@ -155,8 +156,7 @@ class TrainableClef(torch.nn.Module):
         core, _ = reference._delta_rule_chunked(fold(qh), fold(kh), fold(v), fold(g), fold(beta), state)
         core = core.reshape(length, batch, hv, dv).transpose(0, 1)  # [B, L, Hv, Dv]
         z = F.linear(h, self._w(p + "linear_attn.in_proj_z.weight")).view_as(core)
-        normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
-        gated = normed * self._w(p + "linear_attn.norm.weight") * F.silu(z)
+        gated = rms_norm(core, self._w(p + "linear_attn.norm.weight"), c.rms_norm_eps) * F.silu(z)
         return F.linear(gated.reshape(batch, length, c.value_dim), self._w(p + "linear_attn.out_proj.weight"))
 
     def _attention(self, p: str, h: torch.Tensor, cos, sin) -> torch.Tensor:
@@ -185,7 +185,7 @@ class TrainableClef(torch.nn.Module):
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
+    return rms_norm(x, 1.0 + weight, eps)  # Qwen's zero-centred gains
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
