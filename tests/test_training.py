@@ -5,6 +5,7 @@ release the server loads, and the HTTP evaluation harness scores it through the 
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,15 +87,41 @@ def test_evaluation_harness_scores_a_release_over_http(trained):
     assert scores.cached_tokens > 0
 
 
+def _examples(count: int, seed: int) -> list[synthetic.Example]:
+    """Every template family: the one-format "train", the varied training templates, held-out."""
+    rng = random.Random(seed)
+    return [synthetic.make_example(rng, split, variety=1.0) for split in ("train", "heldout") * (count // 2)] + [
+        synthetic.make_example(rng, "train") for _ in range(count // 4)
+    ]
+
+
 def test_synthetic_answers_follow_from_the_state():
     """Spot checks of the generator's labels against the text it wrote."""
-    rng = random.Random(11)
-    for _ in range(200):
-        example = synthetic.make_example(rng, rng.choice(synthetic.SPLITS))
-        state = example.request["state"]
+    levels = ("INFO", "WARN", "ERROR")
+    for example in _examples(400, 11):
+        lines = example.request["state"].splitlines()
         if "last_error" in example.answers:
-            last = state.splitlines()[-1]
-            assert (example.answers["last_error"] == "true") == (" ERROR " in last)
+            assert (example.answers["last_error"] == "true") == ("ERROR" in lines[-1])
+        if "last_level" in example.answers:
+            last = [level for level in levels if level in lines[-1]]
+            assert last == [levels[int(example.answers["last_level"])]]
+        if "last_failure" in example.answers:
+            failing = [line for line in lines if "ERROR" in line][-1]
+            assert re.search(rf"\b{example.answers['last_failure']}\b", failing.split("ERROR", 1)[1])
         if "status" in example.answers:
-            events = [line.rsplit(" ", 1)[-1] for line in state.splitlines()[1:] if "refund" not in line]
-            assert example.answers["status"] == events[-1]
+            said = [w for line in lines[1:] if "refund" not in line for w in re.findall(r"[a-z]+", line)]
+            assert [w for w in said if w in synthetic.STATUSES][-1] == example.answers["status"]
+
+
+def test_heldout_templates_and_wordings_never_appear_in_training():
+    rng = random.Random(12)
+    train = [synthetic.make_example(rng, "train", variety=v) for v in (0.0, 1.0) for _ in range(300)]
+    heldout = [synthetic.make_example(rng, "heldout") for _ in range(300)]
+    train_text = "\n".join(e.request["state"] for e in train)
+    for marker in ("[t+", "Purchase no.", "day 1 - ", "Ticket from", "MailPilot", "Nadia"):
+        assert marker not in train_text
+        assert any(marker in e.request["state"] for e in heldout), marker
+    train_wordings = {q.get("instructions") for e in train for q in e.request["questions"].values()}
+    for example in heldout:
+        for question in example.request["questions"].values():
+            assert question["instructions"] not in train_wordings

@@ -4,6 +4,7 @@ engine's batching and prefix cache, the clef_cuda kernels. Prints a table: held-
 and calibration, healthy and with the seed's bug (the conv's key band zeroed by test-only fault injection).
 
     python -m training.evaluate --release /tmp/clef-tiny --count 300
+    python -m training.evaluate --write-golden tests/golden/clef_tiny.json   # the shipped model's answers
 
 Each held-out example is asked twice: once with all its questions (concurrent requests: the engine batches
 them), then its state again with only its last question (the engine finds the state in the prefix cache).
@@ -15,13 +16,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from training import synthetic
 
-HELDOUT_SEED = 10_000  # the held-out set train.py reports on (never trained on: other templates and values)
+# Two held-out sets (never trained on: other templates, wordings and values). train.py reports on the first
+# while training, so it guided the task's design (a development set); the numbers we publish and test
+# come from the second, which nothing was tuned on.
+HELDOUT_SEED = 10_000  # train.py: args.seed + 10_000
+TEST_SEED = 20_261_201
 
 
 @dataclass
@@ -70,7 +76,7 @@ def distribution(answer: dict) -> dict[str, float]:
     return dict(answer["probabilities"])
 
 
-def heldout(count: int, seed: int = HELDOUT_SEED) -> list[synthetic.Example]:
+def heldout(count: int, seed: int = TEST_SEED) -> list[synthetic.Example]:
     return synthetic.dataset(seed, count, "heldout")
 
 
@@ -89,10 +95,17 @@ def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency
         request = dict(example.request, questions={qid: example.request["questions"][qid]})
         return request, {qid: example.answers[qid]}
 
+    # The passes go a group of `concurrency` examples at a time: the second pass then finds its states in
+    # the prefix cache (over the whole set, the cache's least-recently-used entries would be gone).
+    groups = [examples[i : i + concurrency] for i in range(0, len(examples), concurrency)]
     with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         for pass_ in (
-            [(dict(e.request, model=model), e.answers) for e in examples],
-            [(dict(r, model=model), a) for r, a in map(last_question_only, examples)],
+            passes
+            for group in groups
+            for passes in (
+                [(dict(e.request, model=model), e.answers) for e in group],
+                [(dict(r, model=model), a) for r, a in map(last_question_only, group)],
+            )
         ):
             for (_, answers), body in zip(pass_, pool.map(lambda p: post(client, p[0]), pass_), strict=True):
                 scores.requests += 1
@@ -136,6 +149,106 @@ def evaluate(release: Path, count: int, key_band_zeroed: bool = False) -> Scores
         return ask_all(url, heldout(count), "clef-tiny")
 
 
+# Hand-written requests in the task's domain (not from the generator) with their right answers: the README's
+# example is the first. `--write-golden` records what the model answers to them; tests/test_clef_tiny.py
+# pins those answers.
+GOLDEN_REQUESTS = [
+    (
+        "readme-log",
+        {
+            "model": "clef-tiny",
+            "state": "09:12:01 INFO api: request served\n09:12:04 ERROR db: connection refused\n"
+            "09:12:09 WARN cache: high latency\n09:12:15 ERROR queue: write failed",
+            "questions": {
+                "last_error": {"type": "noul", "instructions": "Is the last log line an ERROR?"},
+                "last_failure": {
+                    "type": "choice",
+                    "instructions": "Which component logged the latest ERROR?",
+                    "criteria": {"db": None, "api": None, "cache": None, "queue": None, "auth": None},
+                },
+                "last_level": {"type": "score", "criteria": ["info", "warning", "error"]},
+            },
+        },
+        {"last_error": "true", "last_failure": "queue", "last_level": "2"},
+    ),
+    (
+        "ticket",
+        {
+            "model": "clef-tiny",
+            "state": "Hi, this is Sam. The tracking number does not work. I need this fixed right now, it is urgent.",
+            "questions": {
+                "department": {
+                    "type": "choice",
+                    "instructions": "Which team should handle this ticket?",
+                    "criteria": {"billing": None, "technical": None, "shipping": None, "sales": None},
+                },
+                "urgency": {"type": "score", "criteria": ["low", "medium", "high"]},
+            },
+        },
+        {"department": "shipping", "urgency": "2"},
+    ),
+    (
+        "order",
+        {
+            "model": "clef-tiny",
+            "state": "Order 4411 (desk)\n2026-11-02 placed\n2026-11-03 paid\n2026-11-05 shipped\n"
+            "2026-11-08 delivered\n2026-11-09 refund requested",
+            "questions": {
+                "status": {
+                    "type": "choice",
+                    "instructions": "What is the current order status?",
+                    "criteria": {s: None for s in synthetic.STATUSES},
+                },
+                "late_refund": {"type": "noul", "instructions": "Was a refund requested after delivery?"},
+            },
+        },
+        {"status": "delivered", "late_refund": "true"},
+    ),
+    (
+        "quiet-log",
+        {
+            "model": "clef-tiny",
+            "state": "10:01:00 INFO auth: worker started\n10:01:03 ERROR api: timeout after 30s\n"
+            "10:01:07 INFO api: health check ok",
+            "questions": {
+                "last_error": {"type": "noul", "instructions": "Does the log end with an ERROR line?"},
+                "last_level": {"type": "score", "criteria": ["info", "warning", "error"]},
+            },
+        },
+        {"last_error": "false", "last_level": "0"},
+    ),
+]
+
+
+def write_golden(release: Path, path: Path) -> None:
+    """Ask the golden requests through a live server; refuse (exit 1) if any answer is wrong."""
+    import math
+
+    import httpx
+
+    cases, wrong = [], []
+    with serving(release) as (url, decider):
+        for name, request, right in GOLDEN_REQUESTS:
+            response = httpx.post(f"{url}/v1/systemone", json=request, timeout=60)
+            response.raise_for_status()
+            answers = response.json()["answers"]
+            # Unrounded log-probabilities too: near 0 and 1 the rounded answers cannot show a small shift.
+            log_probabilities = [
+                [round(math.log(max(p, 1e-30)), 4) for p in question]
+                for question in decider.probabilities(decider.encode(request))
+            ]
+            for qid, option in right.items():
+                probabilities = distribution(answers[qid])
+                if max(probabilities, key=probabilities.get) != option:
+                    wrong.append(f"{name}/{qid}: expected {option}, got {answers[qid]}")
+            cases.append({"name": name, "request": request, "answers": answers, "log_probabilities": log_probabilities})
+    if wrong:
+        raise SystemExit("golden requests answered wrongly, not written:\n  " + "\n  ".join(wrong))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cases, indent=1) + "\n")
+    print(f"wrote {len(cases)} golden cases to {path}")
+
+
 def table(healthy: Scores, broken: Scores, count: int) -> str:
     rows = [
         "| clef-tiny over HTTP | questions | accuracy | Brier | ECE | prefix-cached tokens | non-200 |",
@@ -160,10 +273,24 @@ def table(healthy: Scores, broken: Scores, count: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--release", type=Path, required=True, help="a release written by training.train")
+    parser.add_argument(
+        "--release", type=Path, help="a release written by training.train (default: the shipped clef-tiny)"
+    )
     parser.add_argument("--count", type=int, default=300)
+    parser.add_argument("--write-golden", type=Path, help="write the golden answers there instead of evaluating")
     args = parser.parse_args(argv)
-    release = args.release
+    from clef_cuda import default_model
+    from clef_cuda.config import load_release_config
+    from clef_cuda.errors import ReleaseError
+
+    release = args.release or default_model.default_release()
+    try:
+        load_release_config(release)
+    except ReleaseError as error:
+        parser.exit(2, f"training.evaluate: error: --release: {error}\n")
+    if args.write_golden:
+        write_golden(release, args.write_golden)
+        return 0
     healthy = evaluate(release, args.count)
     broken = evaluate(release, args.count, key_band_zeroed=True)
     print(table(healthy, broken, args.count))
