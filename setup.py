@@ -158,6 +158,7 @@ def build_ext_class():
 if __name__ == "__main__":
     setup(
         packages=find_packages(include=["clef_cuda", "clef_cuda.*", "app", "app.*"]),
+        package_data={"clef_cuda": ["assets/clef-tiny/*"]},  # the embedded default model (clef_cuda/default_model.py)
         ext_modules=extension_modules(),
         cmdclass={"build_ext": build_ext_class()},
     )

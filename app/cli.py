@@ -63,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("CLEF_API_KEY"),
         help="require 'Authorization: Bearer <key>' (default: $CLEF_API_KEY; none: no auth)",
     )
-    p.add_argument("--served-model-name", default="clef-flash")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: clef-flash; clef-tiny for the embedded demo model)",
+    )
     p.add_argument("--confidence", choices=["clef", "typesafe"], default="clef")
     p.add_argument(
         "--state-overflow",
@@ -152,13 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_device(args.device)
         if args.weights is None:
-            from clef_cuda.default_model import WARNING, default_release
+            from clef_cuda import default_model
 
-            args.weights = str(default_release())
+            args.weights = str(default_model.default_release())
+            args.served_model_name = args.served_model_name or default_model.NAME
             log.warning("!" * 100)
-            log.warning(WARNING)
+            log.warning(default_model.NOTICE)
             log.warning("!" * 100)
-            description = "EMBEDDED DEFAULT MODEL: tiny, random weights, meaningless answers"
+            description = "EMBEDDED DEMO MODEL clef-tiny: trained on synthetic tickets, logs and orders"
         else:
             if not Path(args.weights).is_dir():
                 raise ValueError(f"--w {args.weights}: not a directory (expected a clef-flash release)")
@@ -168,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
 
     from app.server import DrainingServer, ServerSettings, create_app
+
+    args.served_model_name = args.served_model_name or "clef-flash"
 
     settings = ServerSettings(
         served_model_name=args.served_model_name,

@@ -1,11 +1,16 @@
-"""A real uvicorn server on 127.0.0.1 in a background thread (tests and the load benchmark)."""
+"""Live servers for tests and benchmarks: a real uvicorn server on 127.0.0.1 in a background thread, or
+clef-serve as its own process."""
 
 from __future__ import annotations
 
 import contextlib
+import socket
+import subprocess
+import sys
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from app.server import ServerSettings, create_app
@@ -29,3 +34,43 @@ def live_server(engine: Engine, settings: ServerSettings):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def clef_serve_process(*args: str, ready_timeout: float = 120):
+    """`clef-serve ARGS --host 127.0.0.1 --p PORT` as a child process, once /ready answers 200; yields
+    (url, process, output lines so far). Killed on exit."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app", *args, "--host", "127.0.0.1", "--p", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            assert process.poll() is None, "".join(output)
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "clef-serve did not become ready"
+            time.sleep(0.1)
+        yield url, process, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(30)
+        reader.join(5)

@@ -11,13 +11,12 @@ import json
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
+from live import clef_serve_process
 from prometheus_client.parser import text_string_to_metric_families
 from random_requests import random_request
 from releases import tiny_release
@@ -26,60 +25,12 @@ OK = {"model": "clef-flash", "state": "Checkout fails for everyone.", "questions
 SLOW = {"model": "clef-flash", "state": "slow " * 1500, "questions": {"q": {"type": "noul"}}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(*flags: str, ready_timeout: float = 120):
-    """clef-serve on the upstream tiny release, as a child process; yields (url, process)."""
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app",
-            "--w",
-            str(tiny_release()),
-            "--d",
-            "cpu",
-            "--host",
-            "127.0.0.1",
-            "--p",
-            str(port),
-            "--max-model-len",
-            "8192",
-            "--kv-fraction",
-            "0.05",
-            *flags,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            assert process.poll() is None, "".join(output)
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "clef-serve did not become ready"
-            time.sleep(0.1)
-        yield url, process, output
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(30)
-        reader.join(5)
+    """clef-serve on the upstream tiny release, as a child process; yields (url, process, output)."""
+    release = ["--w", str(tiny_release()), "--d", "cpu", "--max-model-len", "8192", "--kv-fraction", "0.05"]
+    with clef_serve_process(*release, *flags, ready_timeout=ready_timeout) as running:
+        yield running
 
 
 def metrics(url: str) -> dict[str, float]:

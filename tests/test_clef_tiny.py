@@ -1,0 +1,129 @@
+"""The shipped clef-tiny (the embedded default model, clef_cuda/assets/clef-tiny) decides, through the real
+server path: held-out accuracy and calibration over HTTP, the seed's bug (the conv's key band zeroed)
+costing at least 20 points, golden answers pinned, and the README's curl example answering as printed.
+
+A kernel or engine change that shifts the shipped model's decisions fails here. If the change is right
+and the model is retrained (training/README.md), regenerate the golden answers with
+`python -m training.evaluate --write-golden tests/golden/clef_tiny.json` and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from live import clef_serve_process
+
+from clef_cuda import Decider, default_model
+from clef_cuda.config import FULL_ATTENTION, LINEAR_ATTENTION, load_release_config
+from training import evaluate
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).resolve().parent / "golden" / "clef_tiny.json"
+COUNT = 150  # held-out examples; each is asked twice (all its questions, then the last one alone)
+PROBABILITY_TOLERANCE = 2e-3  # fp32 CPU kernels; a real shift in a decision moves far more
+LOG_PROBABILITY_TOLERANCE = 2e-2  # nats; fp32 kernel differences between CPUs are ~1e-4
+
+
+@pytest.fixture(scope="module")
+def healthy() -> evaluate.Scores:
+    return evaluate.evaluate(default_model.default_release(), COUNT)
+
+
+@pytest.fixture(scope="module")
+def key_band_zeroed() -> evaluate.Scores:
+    return evaluate.evaluate(default_model.default_release(), COUNT, key_band_zeroed=True)
+
+
+@pytest.fixture(scope="module")
+def clef_serve():
+    """clef-serve with no --w, as an operator starts it: the embedded default model."""
+    with clef_serve_process("--d", "cpu", "--kv-fraction", "0.05") as (url, _, output):
+        yield url, output
+
+
+def test_the_shipped_release_is_small_and_in_the_clef_flash_architecture():
+    release = default_model.default_release()
+    size = sum(f.stat().st_size for f in release.iterdir())
+    assert size <= 20 * 2**20, f"{size} bytes"
+    trunk = load_release_config(release).trunk
+    assert trunk.layer_types.count(LINEAR_ATTENTION) >= 3 and trunk.layer_types.count(FULL_ATTENTION) >= 1
+    summary = json.loads((release / "TRAINING.json").read_text())
+    assert summary["completed"], "the shipped model must come from a full, reproducible schedule"
+    assert summary["minutes"] <= 20
+
+
+def test_heldout_accuracy_and_calibration_over_http(healthy):
+    assert healthy.failures == 0
+    assert healthy.accuracy >= 0.95, evaluate.table(healthy, healthy, COUNT)
+    assert healthy.brier_score <= 0.08, healthy.brier_score
+    assert healthy.expected_calibration_error <= 0.05, healthy.expected_calibration_error
+    for question_id, (correct, asked) in healthy.by_question.items():
+        assert correct / asked >= 0.85, (question_id, correct, asked)
+    assert healthy.cached_tokens > 0  # the second pass went through the prefix cache
+
+
+def test_the_seeds_key_band_bug_costs_at_least_20_points(healthy, key_band_zeroed):
+    assert key_band_zeroed.failures == 0  # well-formed answers: exactly the failure a 200 hides
+    drop = healthy.accuracy - key_band_zeroed.accuracy
+    assert drop >= 0.20, evaluate.table(healthy, key_band_zeroed, COUNT)
+
+
+def _assert_same_answers(got: dict, expected: dict, where: str) -> None:
+    assert list(got) == list(expected), where
+    for qid, want in expected.items():
+        have = got[qid]
+        assert have["type"] == want["type"], (where, qid)
+        if want["type"] == "choice":
+            assert have["choice"] == want["choice"], (where, qid, have, want)
+        for key in ("noul", "score", "confidence"):
+            if key in want:
+                assert have[key] == pytest.approx(want[key], abs=PROBABILITY_TOLERANCE * 3), (where, qid, key)
+        for option, p in want.get("probabilities", {}).items():
+            assert have["probabilities"][option] == pytest.approx(p, abs=PROBABILITY_TOLERANCE), (where, qid)
+
+
+def test_golden_answers(clef_serve):
+    url, _ = clef_serve
+    cases = json.loads(GOLDEN.read_text())
+    assert len(cases) >= 4
+    for case in cases:
+        response = httpx.post(f"{url}/v1/systemone", json=case["request"], timeout=60)
+        assert response.status_code == 200, response.text
+        _assert_same_answers(response.json()["answers"], case["answers"], case["name"])
+
+
+def test_golden_log_probabilities_in_process():
+    """The same requests through the Decider, unrounded: shifts the rounded answers hide (p near 0 or 1)."""
+    decider = Decider.from_release(default_model.default_release(), device="cpu", progress=False)
+    for case in json.loads(GOLDEN.read_text()):
+        got = decider.probabilities(decider.encode(case["request"]))
+        for question, want in zip(got, case["log_probabilities"], strict=True):
+            have = [math.log(max(p, 1e-30)) for p in question]
+            assert have == pytest.approx(want, abs=LOG_PROBABILITY_TOLERANCE), case["name"]
+
+
+def _readme_example() -> tuple[dict, dict]:
+    """The request and the response printed in README.md's Serve section."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- readme-example -->\s*```\n(.*?)```", text, re.S)
+    assert block, "README.md lost its <!-- readme-example --> block"
+    request = re.search(r"-d '(.*?)'\n", block.group(1), re.S)
+    response = block.group(1).strip().splitlines()[-1]
+    return json.loads(request.group(1)), json.loads(response)
+
+
+def test_readme_curl_example_answers_as_printed(clef_serve):
+    url, output = clef_serve
+    request, printed = _readme_example()
+    response = httpx.post(f"{url}/v1/systemone", json=request, timeout=60)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == printed["model"] == default_model.NAME
+    assert body["usage"] == printed["usage"]
+    _assert_same_answers(body["answers"], printed["answers"], "README")
+    assert any("EMBEDDED DEMO MODEL" in line for line in output)  # announced loudly at start-up
