@@ -18,6 +18,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = ["7.0", "7.5", "8.0", "9.0"]
+PACKAGE_DATA = {"clef_cuda": ["assets/clef-tiny/*"]}  # the embedded default model (clef_cuda/default_model.py)
 
 
 def fail(message: str) -> None:
@@ -158,7 +159,7 @@ def build_ext_class():
 if __name__ == "__main__":
     setup(
         packages=find_packages(include=["clef_cuda", "clef_cuda.*", "app", "app.*"]),
-        package_data={"clef_cuda": ["assets/clef-tiny/*"]},  # the embedded default model (clef_cuda/default_model.py)
+        package_data=PACKAGE_DATA,
         ext_modules=extension_modules(),
         cmdclass={"build_ext": build_ext_class()},
     )

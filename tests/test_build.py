@@ -85,3 +85,17 @@ def test_local_nvcc_is_read_correctly(setup_module):
     if float(version) >= 13:
         assert "7.0" not in archs
     assert os.path.exists(Path(home, "bin", "nvcc"))
+
+
+def test_the_embedded_model_ships_in_the_wheel(setup_module):
+    """Every file of the default release is package data (a non-editable install, e.g. the Docker image,
+    would otherwise serve without it and fail at start-up)."""
+    from fnmatch import fnmatch
+
+    from clef_cuda import default_model
+
+    package = ROOT / "clef_cuda"
+    files = [p.relative_to(package).as_posix() for p in default_model.RELEASE.rglob("*") if p.is_file()]
+    assert "model.safetensors" in {Path(f).name for f in files}
+    for name in files:
+        assert any(fnmatch(name, pattern) for pattern in setup_module.PACKAGE_DATA["clef_cuda"]), name
