@@ -7,10 +7,13 @@ latest ERROR, what the latest order status is, whether the refund request came a
 recurrent memory reads that in one pass; it is also what makes the seed's failure visible: with the delta
 nets' key band zeroed, these answers fall apart.
 
-Two template families: "train" and "heldout". They share the task (the facts that decide each answer
-and the words that state them) but not the wording around them: sentence structure, log format,
-timeline format, question phrasing, names, numbers and products all differ, and held-out options carry
-no descriptions, so held-out accuracy measures reading the state, not recalling templates.
+Template families. "train": one format per kind and the first few question wordings; "varied" (drawn
+for training examples by train.py's curriculum): many formats, wordings, optional instructions and, for
+score questions, sometimes arbitrary labels; "heldout": formats, wordings, names, products and numbers
+that training never shows, options without descriptions. All share the task (the facts that decide each
+answer and the words that state them), so held-out accuracy measures reading the state, not recalling
+templates. Order timelines skip steps and carry notes that change nothing, so neither the number nor the
+position of the lines gives the status away.
 """
 
 from __future__ import annotations
