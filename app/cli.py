@@ -143,6 +143,15 @@ def make_engine(args):
     return Engine(decider, config)
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    """--served-model-name if given; else clef-flash for a release given with --w, clef-tiny without."""
+    if args.served_model_name:
+        return args.served_model_name
+    from clef_cuda.default_model import NAME
+
+    return "clef-flash" if args.weights is not None else NAME
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -158,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.weights is None:
             from clef_cuda import default_model
 
+            args.served_model_name = served_model_name(args)
             args.weights = str(default_model.default_release())
-            args.served_model_name = args.served_model_name or default_model.NAME
             log.warning("!" * 100)
             log.warning(default_model.NOTICE)
             log.warning("!" * 100)
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.server import DrainingServer, ServerSettings, create_app
 
-    args.served_model_name = args.served_model_name or "clef-flash"
+    args.served_model_name = served_model_name(args)
 
     settings = ServerSettings(
         served_model_name=args.served_model_name,

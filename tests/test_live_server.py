@@ -110,7 +110,7 @@ def test_bad_model_directory_is_a_one_line_error(tmp_path):
 
 
 def test_seed_deployment_arguments_parse():
-    from app.cli import build_parser
+    from app.cli import build_parser, served_model_name
 
     seed = [
         "--w",
@@ -131,4 +131,5 @@ def test_seed_deployment_arguments_parse():
     args = build_parser().parse_args(seed)
     assert (args.weights, args.device, args.dtype, args.port) == ("/mnt/models/clef-flash", "0", "f16", 8080)
     assert (args.max_num_seqs, args.kv_fraction, args.prefill_chunk_size) == (4, 0.30, 1024)
-    assert not args.disable_prefix_cache and args.max_model_len == 16384 and args.served_model_name == "clef-flash"
+    assert not args.disable_prefix_cache and args.max_model_len == 16384 and served_model_name(args) == "clef-flash"
+    assert served_model_name(build_parser().parse_args([])) == "clef-tiny"  # no --w: the embedded model
