@@ -21,6 +21,19 @@ namespace clef {
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 constexpr int kLanes = 16;
 
+// Whether the CPU has 32 512-bit vector registers (AVX-512F). A vf16 takes one register there and two on
+// AVX2 (16 256-bit registers), so a register block that fits AVX-512 spills to the stack on AVX2 on every
+// step: callers with large register blocks pick a smaller one without it (measured 2026-12-01 on an AVX2
+// EPYC: attention prefill 11x slower than eager torch with the AVX-512 block).
+inline bool has_512bit_registers() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  return wide;
+#else
+  return false;
+#endif
+}
+
 CLEF_INLINE vf16 load_vf16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
 CLEF_INLINE void store_vf16(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }
 

@@ -90,20 +90,20 @@ CLEF_INLINE void load_token(const GatedDeltaRuleParams& p, int64_t token, int hk
 // NV vectors of 16 columns (NV * 16 >= nc). Padding columns have v = 0 and a zero state, so their
 // u is 0 and they stay exactly zero: no special case in the sweep.
 template <typename T, int NV>
-CLEF_INLINE void gdr_block(const GatedDeltaRuleParams& p, int b, int hv, int c0, std::vector<float>& state,
+CLEF_INLINE void gdr_block(const GatedDeltaRuleParams& p, int b, int hv, int c0, int width, std::vector<float>& state,
                            TokenInputs& cur, TokenInputs& next) {
   const PackedSeq s = gdr_sequence(p, b);
   const int hk = gdr_key_head(hv, p.num_v_heads, p.num_k_heads);
   const int dk = p.head_k_dim;
-  const int nc = std::min(kColumnBlock, p.head_v_dim - c0);
+  const int nc = std::min(width, p.head_v_dim - c0);
   // A full block of a sequence with a slot is updated in place in the state pool (rows Dv apart); a
-  // partial block (zero-padded to 32 columns) or a sequence without a slot works on the scratch copy.
-  const bool in_place = s.slot >= 0 && nc == kColumnBlock;
+  // partial block (zero-padded to `width` columns) or a sequence without a slot works on the scratch copy.
+  const bool in_place = s.slot >= 0 && nc == width;
   float* S = in_place ? p.states + gdr_state_offset(s.slot, hv, 0, c0, p) : state.data();
-  const int64_t ld = in_place ? p.head_v_dim : kColumnBlock;
+  const int64_t ld = in_place ? p.head_v_dim : width;
   if (!in_place || !s.read_state)
     for (int i = 0; i < dk; ++i)
-      for (int j = 0; j < kColumnBlock; ++j)
+      for (int j = 0; j < width; ++j)
         S[i * ld + j] = (j < nc && s.read_state) ? p.states[gdr_state_offset(s.slot, hv, i, c0 + j, p)] : 0.0f;
   T* out = static_cast<T*>(p.out);
 
@@ -176,20 +176,20 @@ CLEF_INLINE void gdr_block(const GatedDeltaRuleParams& p, int b, int hv, int c0,
 }
 
 template <typename T>
-CLEF_INLINE void gdr_block_any_width(const GatedDeltaRuleParams& p, int b, int hv, int c0, std::vector<float>& state,
-                                     TokenInputs& cur, TokenInputs& next) {
-  if (p.head_v_dim - c0 > kLanes)
-    gdr_block<T, 2>(p, b, hv, c0, state, cur, next);
+CLEF_INLINE void gdr_block_any_width(const GatedDeltaRuleParams& p, int b, int hv, int c0, int width,
+                                     std::vector<float>& state, TokenInputs& cur, TokenInputs& next) {
+  if (width > kLanes && p.head_v_dim - c0 > kLanes)
+    gdr_block<T, 2>(p, b, hv, c0, width, state, cur, next);
   else
-    gdr_block<T, 1>(p, b, hv, c0, state, cur, next);
+    gdr_block<T, 1>(p, b, hv, c0, width, state, cur, next);
 }
 
 }  // namespace
 
 #define CLEF_GDR_CPU_ENTRY(name, T)                                                                              \
-  CLEF_CPU_KERNEL void name(const GatedDeltaRuleParams& p, int b, int hv, int c0, std::vector<float>& state,      \
-                            TokenInputs& cur, TokenInputs& next) {                                               \
-    gdr_block_any_width<T>(p, b, hv, c0, state, cur, next);                                                      \
+  CLEF_CPU_KERNEL void name(const GatedDeltaRuleParams& p, int b, int hv, int c0, int width,                     \
+                            std::vector<float>& state, TokenInputs& cur, TokenInputs& next) {                    \
+    gdr_block_any_width<T>(p, b, hv, c0, width, state, cur, next);                                               \
   }
 CLEF_GDR_CPU_ENTRY(gdr_block_f32, float)
 CLEF_GDR_CPU_ENTRY(gdr_block_f16, c10::Half)
@@ -197,7 +197,11 @@ CLEF_GDR_CPU_ENTRY(gdr_block_bf16, c10::BFloat16)
 
 void gated_delta_rule_cpu(const GatedDeltaRuleParams& p, ScalarKind kind) {
   auto block_fn = kind == ScalarKind::F32 ? gdr_block_f32 : kind == ScalarKind::F16 ? gdr_block_f16 : gdr_block_bf16;
-  const int column_blocks = (p.head_v_dim + kColumnBlock - 1) / kColumnBlock;
+  // 32 columns keep 8 vf16 accumulators plus the update in registers with AVX-512; with AVX2 (two 256-bit
+  // registers per vf16, 16 in all) they spill on every row, so there a block is 16 columns. Columns are
+  // independent: the width changes no result.
+  const int width = has_512bit_registers() ? kColumnBlock : kLanes;
+  const int column_blocks = (p.head_v_dim + width - 1) / width;
   const int64_t items = static_cast<int64_t>(p.batch) * p.num_v_heads * column_blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> state(static_cast<size_t>(p.head_k_dim) * kColumnBlock);
@@ -210,7 +214,7 @@ void gated_delta_rule_cpu(const GatedDeltaRuleParams& p, ScalarKind kind) {
       const int cb = static_cast<int>(item % column_blocks);
       const int hv = static_cast<int>((item / column_blocks) % p.num_v_heads);
       const int b = static_cast<int>(item / (static_cast<int64_t>(column_blocks) * p.num_v_heads));
-      block_fn(p, b, hv, cb * kColumnBlock, state, cur, next);
+      block_fn(p, b, hv, cb * width, width, state, cur, next);
     }
   });
 }

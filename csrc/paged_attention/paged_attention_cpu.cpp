@@ -46,9 +46,16 @@ CLEF_INLINE void micro_kernel(const float* A, int64_t lda, const float* B, int64
 }
 
 // C[rows][cols] += A[rows][K] * B[K][cols]; rows % 4 == 0, cols % 16 == 0 (callers pad with zeros).
-// 8 x 32 blocks: 16 accumulators, 2 loads and 8 broadcasts per 16 FMAs.
+// With AVX-512, 8 x 32 blocks: 16 accumulators, 2 loads and 8 broadcasts per 16 FMAs. Otherwise 4 x 16
+// blocks, whose 4 accumulators and 1 load fit 10 of AVX2's 16 registers (8 x 32 would need 36: spills).
+// The blocking changes no result: every element of C sums over k in the same order either way.
 CLEF_INLINE void gemm_acc(const float* A, int64_t lda, const float* B, int64_t ldb, int K, float* C, int64_t ldc, int rows,
                           int cols) {
+  if (!has_512bit_registers()) {
+    for (int r = 0; r < rows; r += kRowBlock)
+      for (int c = 0; c < cols; c += kLanes) micro_kernel<4, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+    return;
+  }
   int r = 0;
   for (; r + 8 <= rows; r += 8) {
     int c = 0;
