@@ -28,7 +28,6 @@ CORPUS = [
 
 def _bpe_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -40,17 +39,7 @@ def _bpe_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens={
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_bos_token": "<|vision_start|>",
-            "vision_eos_token": "<|vision_end|>",
-        },
-    )
+    return fast_tokenizer(tok)
 
 
 MID_TEXT = dict(
@@ -95,11 +84,8 @@ def build_release(
     from clef_finetune.jsm import load_jsm
     from safetensors.torch import save_file
     from transformers import (
-        Qwen2VLImageProcessor,
         Qwen3_5Config,
         Qwen3_5ForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
     )
 
     out = Path(out_dir)
@@ -144,13 +130,7 @@ def build_release(
             layer.input_layernorm.weight.normal_(0.0, 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
-    processor = Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
-        video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
-        tokenizer=tokenizer,
-        chat_template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
-    )
-    processor.save_pretrained(out)
+    save_processor(out, tokenizer)
     joint = load_jsm().JointSchemaHead(**head)
     with torch.no_grad():  # trained-looking gates, so the joint path matters
         joint.residual_gate.fill_(0.7)
@@ -179,6 +159,36 @@ def mid_release() -> Path:
 
 
 @functools.cache
+def save_processor(out: Path, tokenizer) -> None:
+    """The processor files the reference loader needs (it builds the Qwen3-VL processor even for text):
+    processor, tokenizer config, chat template, and tokenizer.json from `tokenizer` (a fast tokenizer)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
+        video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2),
+        tokenizer=tokenizer,
+        chat_template="{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+    ).save_pretrained(out)
+
+
+def fast_tokenizer(tokenizer_object):
+    """A transformers fast tokenizer over a `tokenizers` one, with the Qwen3.5 special-token roles."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer_object,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens={
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>",
+        },
+    )
+
+
 def reference_model(path: Path):
     """The upstream reference (model, processor) in fp32 on the CPU."""
     from clef_finetune.jsm import load_jsm

@@ -107,6 +107,26 @@ def test_golden_log_probabilities_in_process():
             assert have == pytest.approx(want, abs=LOG_PROBABILITY_TOLERANCE), case["name"]
 
 
+def test_the_upstream_reference_decides_like_us_on_the_shipped_model(tmp_path):
+    """clef-tiny is a release the upstream code reads (given the processor files its loader needs): same ids
+    and spans, probabilities within 1e-4, on the golden requests and held-out examples."""
+    import shutil
+
+    from releases import fast_tokenizer, reference_model, save_processor
+    from test_decider import check_against_reference
+    from tokenizers import Tokenizer
+
+    shipped = default_model.default_release()
+    release = tmp_path / "clef-tiny"
+    shutil.copytree(shipped, release)
+    save_processor(release, fast_tokenizer(Tokenizer.from_file(str(shipped / "tokenizer.json"))))
+    shutil.copy(shipped / "tokenizer.json", release / "tokenizer.json")  # ours, byte for byte
+    reference = reference_model(release)
+    decider = Decider.from_release(shipped, device="cpu", progress=False)
+    for request in [r for _, r, _ in evaluate.GOLDEN_REQUESTS] + [e.request for e in evaluate.heldout(12)]:
+        check_against_reference(decider, reference, request)
+
+
 def _readme_example() -> tuple[dict, dict]:
     """The request and the response printed in README.md's Serve section."""
     text = (ROOT / "README.md").read_text()
