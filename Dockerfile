@@ -47,8 +47,7 @@ RUN apt-get update \
  && useradd --uid 10001 --create-home --shell /usr/sbin/nologin clef
 COPY --from=build /opt/clef /opt/clef
 ENV PATH=/opt/clef/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    CLEF_CACHE_DIR=/home/clef/.cache/clef-cuda
+    PYTHONUNBUFFERED=1
 USER 10001
 WORKDIR /home/clef
 EXPOSE 8080

@@ -161,13 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     from clef_cuda.config import load_release_config
     from clef_cuda.errors import ReleaseError
 
+    args.served_model_name = served_model_name(args)  # before --w is filled in with the embedded model
     # Fail fast, in one line, on what can be checked before the (slow) load.
     try:
         resolve_device(args.device)
         if args.weights is None:
             from clef_cuda import default_model
 
-            args.served_model_name = served_model_name(args)
             args.weights = str(default_model.default_release())
             log.warning("!" * 100)
             log.warning(default_model.NOTICE)
@@ -182,8 +182,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
 
     from app.server import DrainingServer, ServerSettings, create_app
-
-    args.served_model_name = served_model_name(args)
 
     settings = ServerSettings(
         served_model_name=args.served_model_name,

@@ -111,6 +111,14 @@ def rms_norm(x: Tensor, scale: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
 
 
+def rotate_half(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
+    """NeoX rotate-half RoPE on the first rotary_dim dims of each head's last axis (cos/sin broadcast to
+    x's leading axes, rotary_dim / 2 wide); the rest of the head passes through. Also used by training/."""
+    half = rotary_dim // 2
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
 class Trunk:
     """Qwen3.5 text trunk over packed chunks. `ops` is clef_cuda.ops (tests may pass another OpLibrary)."""
 
@@ -230,10 +238,7 @@ class Trunk:
         return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """NeoX rotate-half RoPE on the first rotary_dim dims of each head (x fp32 [N, heads, D])."""
-        half = self.config.rotary_dim // 2
-        x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+        return rotate_half(x, cos, sin, self.config.rotary_dim)
 
     def _attention(
         self, w: _AttentionWeights, h: Tensor, batch: ChunkBatch, cache: TrunkCache, i: int, cos: Tensor, sin: Tensor

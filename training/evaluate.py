@@ -119,10 +119,17 @@ def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency
     return scores
 
 
+def _tests_on_path() -> None:
+    """The harness borrows two test helpers (tests/live.py's server, tests/faults.py's fault)."""
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+
+
 @contextlib.contextmanager
 def serving(release: Path, ops=None, prefix_cache: bool = True):
     """A live clef-serve app on 127.0.0.1 over `release` (with `ops` swapped in for fault injection)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    _tests_on_path()
     from live import live_server
 
     from app.server import ServerSettings
@@ -139,7 +146,7 @@ def serving(release: Path, ops=None, prefix_cache: bool = True):
 def evaluate(release: Path, count: int, key_band_zeroed: bool = False) -> Scores:
     ops = None
     if key_band_zeroed:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        _tests_on_path()
         from faults import KeyBandZeroedOps
 
         from clef_cuda.config import load_release_config

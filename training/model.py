@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from clef_cuda import reference
 from clef_cuda.config import LINEAR_ATTENTION, HeadConfig, TrunkConfig
 from clef_cuda.head import JointSchemaHead, RecordLayout
-from clef_cuda.trunk import rms_norm
+from clef_cuda.trunk import rms_norm, rotate_half
 from clef_cuda.weights import head_shapes, trunk_shapes
 
 
@@ -164,9 +164,10 @@ class TrainableClef(torch.nn.Module):
         batch, length, _ = h.shape
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qg = F.linear(h, self._w(p + "self_attn.q_proj.weight")).view(batch, length, hq, 2 * d)
-        q = _rope(_rms(qg[..., :d], self._w(p + "self_attn.q_norm.weight"), c.rms_norm_eps), cos, sin, c.rotary_dim)
+        q = _rms(qg[..., :d], self._w(p + "self_attn.q_norm.weight"), c.rms_norm_eps)
+        q = rotate_half(q, cos, sin, c.rotary_dim)
         k = F.linear(h, self._w(p + "self_attn.k_proj.weight")).view(batch, length, hkv, d)
-        k = _rope(_rms(k, self._w(p + "self_attn.k_norm.weight"), c.rms_norm_eps), cos, sin, c.rotary_dim)
+        k = rotate_half(_rms(k, self._w(p + "self_attn.k_norm.weight"), c.rms_norm_eps), cos, sin, c.rotary_dim)
         v = F.linear(h, self._w(p + "self_attn.v_proj.weight")).view(batch, length, hkv, d)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -186,9 +187,3 @@ class TrainableClef(torch.nn.Module):
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, 1.0 + weight, eps)  # Qwen's zero-centred gains
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    half = rotary_dim // 2
-    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
