@@ -14,7 +14,6 @@ import json
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.intake import ClientError, decompress, read_body
 from app.metrics import Metrics
 from app.schemas import SystemOneRequest
 from clef_cuda.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
@@ -47,14 +47,6 @@ class ServerSettings:
     model_description: str = "clef-flash System One decision model"
     release_date: str = "2026-10-01"
     disconnect_poll_seconds: float = 0.05
-
-
-class ClientError(Exception):
-    """A 4xx in the contract's error shape."""
-
-    def __init__(self, status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.error_type, self.message, self.headers = status, error_type, message, headers or {}
 
 
 class ServerState:
@@ -84,62 +76,6 @@ def _pydantic_errors(error: ValidationError) -> list[dict[str, Any]]:
         {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
         for e in error.errors(include_url=False, include_input=False, include_context=False)
     ]
-
-
-def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
-    """gzip / zstd request bodies (the SDK sends zstd); the result is bounded by `limit` too."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return body
-    try:
-        if encoding in ("gzip", "x-gzip", "deflate"):
-            inflater = zlib.decompressobj(wbits=47 if encoding != "deflate" else 15)  # 47: gzip or zlib header
-            out = inflater.decompress(body, limit + 1)
-            if not inflater.eof and len(out) <= limit:
-                raise ValueError("truncated stream")
-        elif encoding == "zstd":
-            import io
-
-            import zstandard
-
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body)) as reader:
-                out = reader.read(limit + 1)  # bounded: a small body cannot expand into unbounded memory
-        else:
-            raise ClientError(
-                415, "unsupported_media_type", f"Content-Encoding {encoding!r} is not supported (gzip, zstd)"
-            )
-    except ClientError:
-        raise
-    except Exception as error:  # zlib.error, zstandard.ZstdError, ValueError: all mean a corrupt body
-        raise ClientError(
-            400, "invalid_request_error", f"the {encoding} request body could not be decoded: {error}"
-        ) from error
-    if len(out) > limit:
-        raise ClientError(413, "request_too_large", f"the decoded request body exceeds {limit} bytes")
-    return out
-
-
-async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The body, refusing one over `limit` before reading it (by Content-Length) or as soon as it passes the
-    limit, and one that does not arrive within `timeout` seconds (a stalled or trickling client)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ClientError(413, "request_too_large", f"the request body ({declared} bytes) exceeds {limit} bytes")
-    chunks, size = [], 0
-
-    async def receive_all() -> None:
-        nonlocal size
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ClientError(413, "request_too_large", f"the request body exceeds {limit} bytes")
-            chunks.append(chunk)
-
-    try:
-        await asyncio.wait_for(receive_all(), timeout)
-    except TimeoutError as error:
-        raise ClientError(408, "request_timeout", f"the request body did not arrive within {timeout:.0f} s") from error
-    return b"".join(chunks)
 
 
 def create_app(
@@ -270,8 +206,8 @@ def create_app(
         try:
             check_auth(request)
             engine = ready_engine()
-            raw = await _read_body(request, settings.max_body_bytes, settings.body_timeout)
-            raw = _decompress(raw, request.headers.get("content-encoding", ""), settings.max_body_bytes)
+            raw = await read_body(request, settings.max_body_bytes, settings.body_timeout)
+            raw = decompress(raw, request.headers.get("content-encoding", ""), settings.max_body_bytes)
             try:
                 body = json.loads(raw)
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
