@@ -33,6 +33,7 @@ class DecisionOptions:
     state_overflow: str = "reject"  # or "truncate": keep the head of the state (the reference's behaviour)
     confidence: str = "clef"  # or "typesafe"
     chunk_size: int = 2048  # prefill chunk (tokens per trunk step): bounds activation memory
+    client_special_tokens: str = "control"  # or "text": special tokens in client text are plain text
 
 
 class Decider:
@@ -48,6 +49,11 @@ class Decider:
             raise ValueError(f"confidence must be one of {answers.CONFIDENCE_MODES}, got {options.confidence!r}")
         if options.chunk_size <= 0 or options.max_length <= 0:
             raise ValueError("chunk_size and max_length must be positive")
+        if tokenizer.client_special_tokens != options.client_special_tokens:
+            raise ValueError(
+                f"the tokenizer treats special tokens in client text as {tokenizer.client_special_tokens!r}, "
+                f"the options say {options.client_special_tokens!r}"
+            )
         self.config, self.trunk, self.head, self.tokenizer, self.options = config, trunk, head, tokenizer, options
 
     @classmethod
@@ -67,11 +73,12 @@ class Decider:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
         config = load_release_config(path)
-        tokenizer = Tokenizer.from_release(path)
+        decision_options = DecisionOptions(**options)
+        tokenizer = Tokenizer.from_release(path, decision_options.client_special_tokens)
         weights = load_release_weights(path, config, device, dtype, head_dtype, progress=progress)
         trunk = Trunk(config.trunk, weights.trunk, dtype, ops=ops)
         head = JointSchemaHead(config.head, weights.head, weights.trunk["lm_head.weight"])
-        return cls(config, trunk, head, tokenizer, DecisionOptions(**options))
+        return cls(config, trunk, head, tokenizer, decision_options)
 
     @property
     def device(self) -> torch.device:
@@ -122,6 +129,5 @@ class Decider:
             for q, p in zip(record.questions, per_question, strict=True)
         }
         body = answers.response(request["model"], result, record.num_tokens)
-        if record.dropped_state_tokens:
-            body["x_truncated_state_tokens"] = record.dropped_state_tokens
+        body.update(record.truncation_fields())
         return body

@@ -5,6 +5,8 @@ JSON rendering, option order and the token budget."""
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ NOUL_DEFAULTS = {
     "false": "The proposition is false or the answer is no.",
 }
 STATE_OVERFLOW_POLICIES = ("reject", "truncate")
+CLIENT_SPECIAL_TOKENS = ("control", "text")
 
 
 # Qwen3.5's pre-tokenizer split (transformers' Qwen3_5Tokenizer): digits one by one, letters with marks.
@@ -41,68 +44,173 @@ class Tokenizer:
     The reference loads it as transformers' Qwen3_5Tokenizer, which keeps tokenizer.json's vocabulary,
     merges and added tokens but always applies Qwen3.5's own text pipeline: NFC normalisation, the Qwen
     regex split, byte-level mapping. So does this class (for clef-flash's own tokenizer.json that pipeline
-    is what the file says anyway). Special tokens written in the text (<|im_start|>...) are matched as
-    added tokens; no BOS/EOS is added."""
+    is what the file says anyway). No BOS/EOS is added.
+
+    Special tokens (<|im_start|>, <|im_end|>, ...) written in the record's own template are control
+    tokens. In client text they are too by default ("control": the reference's behaviour, kept for
+    parity), which lets a state forge the prompt's structure; client_special_tokens="text" tokenises
+    them in client text as the plain characters they are (a prompt-injection defence)."""
 
     # Long segments (a state sent again with new questions) are remembered: re-tokenising a 16k-token
     # state costs milliseconds on every request that repeats it.
     CACHED_MIN_CHARS = 1024
     CACHE_ENTRIES = 64
+    CACHE_CHARS = 1 << 24  # and at most this much remembered text in all
+    # Longer texts are tokenised a piece at a time (so a huge one can be given up on early, and no more
+    # than one piece's token strings and offsets, which the tokenizer keeps beside the ids, are held).
+    PIECE_CHARS = 1 << 16
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, client_backend=None, client_special_tokens: str = "control") -> None:
         import threading
         from collections import OrderedDict
 
-        self._backend = backend
+        if client_special_tokens not in CLIENT_SPECIAL_TOKENS:
+            raise ValueError(
+                f"client_special_tokens must be one of {CLIENT_SPECIAL_TOKENS}, got {client_special_tokens!r}"
+            )
+        self._template = backend
+        self._client = client_backend or backend
+        self.client_special_tokens = client_special_tokens
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cached_chars = 0
         self._lock = threading.Lock()
+        added = [t.content for t in backend.get_added_tokens_decoder().values()]
+        self._added_tokens = [t for t in added if t]
+        self._longest_added = max((len(t) for t in self._added_tokens), default=0)
+        # Every token covers at most this many bytes of (NFC-normalised) text: a lower bound on the
+        # count of any text is its UTF-8 length over this.
+        byte_level = max((len(t) for t in backend.get_vocab(with_added_tokens=False)), default=1)
+        self.max_token_bytes = max([byte_level, 1] + [len(t.encode("utf-8")) for t in self._added_tokens])
 
     @classmethod
-    def from_release(cls, model_dir: str | Path) -> Tokenizer:
-        from tokenizers import Regex, decoders, normalizers, pre_tokenizers
-        from tokenizers import Tokenizer as Backend
-
+    def from_release(cls, model_dir: str | Path, client_special_tokens: str = "control") -> Tokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise ReleaseError(f"{path}: missing (the release's tokenizer)")
-        try:
-            backend = Backend.from_file(str(path))
-        except Exception as error:  # the Rust side raises plain Exception subclasses
-            raise ReleaseError(f"{path}: not a readable tokenizer.json ({error})") from error
-        backend.normalizer = normalizers.NFC()
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        backend.decoder = decoders.ByteLevel()
-        return cls(backend)
+        backend = _qwen35_backend(path)
+        client = None
+        if client_special_tokens == "text":
+            client = _qwen35_backend(path)
+            client.encode_special_tokens = True  # special tokens in this text are split like any text
+        return cls(backend, client, client_special_tokens)
 
     @property
     def vocab_size(self) -> int:
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        return self._template.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=False).ids
+        """Template text: special tokens are control tokens."""
+        return self._template.encode(text, add_special_tokens=False).ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode_client(text)), in C-speed passes (no tokenisation)."""
+        if not text:
+            return 0
+        if not text.isascii():
+            if not unicodedata.is_normalized("NFC", text):
+                text = unicodedata.normalize("NFC", text)
+            return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+        return -(-len(text) // self.max_token_bytes)
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
-        out: list[list[int] | None] = [None] * len(texts)
-        with self._lock:
-            for i, text in enumerate(texts):
-                if len(text) >= self.CACHED_MIN_CHARS and text in self._cache:
-                    self._cache.move_to_end(text)
-                    out[i] = self._cache[text]
+        """Client text (with template text that has no special tokens), each text on its own."""
+        out: list[list[int] | None] = [self._remembered(text) for text in texts]
         todo = [i for i, ids in enumerate(out) if ids is None]
-        fresh = self._backend.encode_batch([texts[i] for i in todo], add_special_tokens=False)
+        fresh = self._client.encode_batch([texts[i] for i in todo], add_special_tokens=False)
         for i, encoding in zip(todo, fresh, strict=True):
             out[i] = encoding.ids
-            if len(texts[i]) >= self.CACHED_MIN_CHARS:
-                with self._lock:
-                    self._cache[texts[i]] = encoding.ids
-                    while len(self._cache) > self.CACHE_ENTRIES:
-                        self._cache.popitem(last=False)
+            self._remember(texts[i], encoding.ids)
         return out
+
+    def encode_bounded(self, text: str, limit: int) -> tuple[list[int], bool]:
+        """Client text -> (ids, complete). Once more than `limit` ids are known the rest of the text is
+        not tokenised: the ids returned are then the text's first ones (more than `limit` of them) and
+        complete is False. A long text goes through in pieces cut only where the tokenizer splits anyway
+        (see safe_cut), so the ids are those of one pass over the whole text."""
+        remembered = self._remembered(text)
+        if remembered is not None:
+            return remembered, True
+        ids: list[int] = []
+        start = 0
+        while start < len(text):
+            cut = self.safe_cut(text, start + self.PIECE_CHARS)
+            ids += self._client.encode_batch_fast([text[start:cut]], add_special_tokens=False)[0].ids
+            start = cut
+            if len(ids) > limit and start < len(text):
+                return ids, False
+        self._remember(text, ids)
+        return ids, True
+
+    def safe_cut(self, text: str, position: int) -> int:
+        """The first position >= `position` where tokenising text[:p] and text[p:] apart gives the ids of
+        text (len(text) if there is none). Qwen3.5's split regex never joins a word character (letter,
+        digit, underscore) to a following space, nor a newline to a following word character, and it has
+        no lookbehind, so at such a boundary both sides split into the same pieces as the whole does;
+        NFC composes nothing across either boundary. Boundaries inside (or touching) an added token's
+        occurrence are skipped: added tokens are matched before the split."""
+        if position >= len(text):
+            return len(text)
+        for match in _SAFE_CUT.finditer(text, position):
+            cut = match.start()
+            if not self._touches_added_token(text, cut):
+                return cut
+        return len(text)
+
+    def _touches_added_token(self, text: str, cut: int) -> bool:
+        lo = max(0, cut - self._longest_added)
+        window = text[lo : cut + self._longest_added]
+        for token in self._added_tokens:
+            found = window.find(token)
+            while found != -1:
+                if lo + found <= cut <= lo + found + len(token):
+                    return True
+                found = window.find(token, found + 1)
+        return False
+
+    def _remembered(self, text: str) -> list[int] | None:
+        if len(text) < self.CACHED_MIN_CHARS:
+            return None
+        with self._lock:
+            ids = self._cache.get(text)
+            if ids is not None:
+                self._cache.move_to_end(text)
+            return ids
+
+    def _remember(self, text: str, ids: list[int]) -> None:
+        if len(text) < self.CACHED_MIN_CHARS or len(text) > self.CACHE_CHARS:
+            return
+        with self._lock:
+            if text in self._cache:
+                return
+            self._cache[text] = ids
+            self._cached_chars += len(text)
+            while len(self._cache) > self.CACHE_ENTRIES or self._cached_chars > self.CACHE_CHARS:
+                old, _ = self._cache.popitem(last=False)
+                self._cached_chars -= len(old)
+
+
+# Boundaries where the Qwen3.5 split regex always splits (Tokenizer.safe_cut): before a space that
+# follows a word character, after a newline that precedes one.
+_SAFE_CUT = re.compile(r"(?<=\w)(?= )|(?<=\n)(?=\w)")
+
+
+def _qwen35_backend(path: Path):
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    try:
+        backend = Backend.from_file(str(path))
+    except Exception as error:  # the Rust side raises plain Exception subclasses
+        raise ReleaseError(f"{path}: not a readable tokenizer.json ({error})") from error
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN35_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
 
 def render(value: Any) -> str:
@@ -141,6 +249,10 @@ def validate_request(request: Any) -> None:
         if not isinstance(question, dict):
             raise RequestError(f"{question_id}: a question must be an object", loc)
         kind = question.get("type")
+        if kind == "box":  # TypeSafe's locate-in-image type: it needs a head clef does not have
+            raise RequestError(
+                f"{question_id}: clef has no box head; it answers noul, choice and score questions", (*loc, "type")
+            )
         if kind not in QUESTION_TYPES:
             raise RequestError(f"{question_id}: type must be noul, choice, or score", (*loc, "type"))
         criteria = question.get("criteria")
@@ -178,25 +290,37 @@ class EncodedRecord:
     dropped_state_tokens: int  # cut by truncation (0 unless the policy is "truncate")
     schema_tokens: int
     suffix_tokens: int
+    dropped_state_tokens_exact: bool = True  # False: truncation stopped counting (a lower bound)
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    def truncation_fields(self) -> dict[str, Any]:
+        """The response's extension fields when truncation cut the state (none otherwise)."""
+        if not self.dropped_state_tokens:
+            return {}
+        fields: dict[str, Any] = {"x_truncated_state_tokens": self.dropped_state_tokens}
+        if not self.dropped_state_tokens_exact:
+            fields["x_truncated_state_tokens_exact"] = False  # at least that many
+        return fields
+
 
 def encode_request(
-    tokenizer: Tokenizer,
-    request: dict[str, Any],
-    max_length: int = 16384,
-    state_overflow: str = "reject",
-    max_state_tokens: int | None = None,
+    tokenizer: Tokenizer, request: dict[str, Any], max_length: int = 16384, state_overflow: str = "reject"
 ) -> EncodedRecord:
     """Encode a validated request. Over max_length: RequestTooLongError with the counts ("reject", the
-    default), or the reference's behaviour ("truncate": keep the head of the state, cut its tail)."""
+    default), or the reference's behaviour ("truncate": keep the head of the state, cut its tail).
+
+    The work is bounded by the budget, not by the body: a cheap lower bound on the token count refuses
+    hopeless records before any tokenisation, and the state is tokenised only until the budget is
+    passed (reject) or, beyond what truncation keeps, for at most one more budget's worth (truncate:
+    x_truncated_state_tokens is then a lower bound, flagged by dropped_state_tokens_exact)."""
     if state_overflow not in STATE_OVERFLOW_POLICIES:
         raise ValueError(f"state_overflow must be one of {STATE_OVERFLOW_POLICIES}, got {state_overflow!r}")
     # Every segment is tokenised on its own: the span of a segment is exactly its tokens.
-    segments: list[str] = [PREFIX, render(request["state"]), SCHEMA_HEADER]
+    state_text = render(request["state"])
+    segments: list[str] = [SCHEMA_HEADER]
     layout: list[tuple[str, str, int, list[tuple[str, Any]]]] = []
     for number, (question_id, question) in enumerate(request["questions"].items(), start=1):
         instructions = question.get("instructions")
@@ -213,12 +337,28 @@ def encode_request(
             segments += [f"OPTION {index}: ", render(semantics), "\n"]
         segments.append(FIELD_END)
         layout.append((str(question_id), question["type"], len(options), options))
-    segments.append(SUFFIX)
+    prefix, suffix = tokenizer.encode(PREFIX), tokenizer.encode(SUFFIX)  # the template: control tokens
+
+    def too_long(needed: int, state_tokens: int, fixed_tokens: int, at_least: bool) -> RequestTooLongError:
+        more = "at least " if at_least else ""
+        return RequestTooLongError(
+            f"the record needs {more}{needed} tokens ({more}{state_tokens} of state, {fixed_tokens} of prompt and "
+            f"schema); the limit is {max_length}",
+            input_tokens=needed,
+            max_tokens=max_length,
+            fixed_tokens=fixed_tokens,
+            at_least=at_least,
+        )
+
+    fixed_bound = len(prefix) + len(suffix) + sum(tokenizer.min_tokens(text) for text in segments)
+    if fixed_bound > max_length:  # the schema alone is over: nothing is tokenised
+        raise too_long(
+            fixed_bound + tokenizer.min_tokens(state_text), tokenizer.min_tokens(state_text), fixed_bound, True
+        )
     ids = tokenizer.encode_many(segments)
 
-    prefix, state, schema_header, suffix = ids[0], ids[1], ids[2], ids[-1]
-    schema: list[int] = list(schema_header)
-    cursor = 3
+    schema: list[int] = list(ids[0])
+    cursor = 1
     relative: list[tuple[tuple[int, int], list[tuple[int, int]]]] = []
     for _, _, option_count, _ in layout:
         schema += ids[cursor]  # field header
@@ -235,19 +375,20 @@ def encode_request(
         cursor += 1
         relative.append((question_span, option_spans))
 
-    if max_state_tokens is not None:
-        state = state[:max_state_tokens]
     fixed = len(prefix) + len(schema) + len(suffix)
-    total = fixed + len(state)
-    if fixed > max_length or (total > max_length and state_overflow == "reject"):
-        raise RequestTooLongError(
-            f"the record needs {total} tokens ({len(state)} of state, {fixed} of prompt and schema); "
-            f"the limit is {max_length}",
-            input_tokens=total,
-            max_tokens=max_length,
-            fixed_tokens=fixed,
-        )
-    kept = state[: max_length - fixed]
+    budget = max_length - fixed
+    if state_overflow == "reject":
+        state_bound = tokenizer.min_tokens(state_text)
+        if budget < 0 or state_bound > budget:
+            raise too_long(fixed + state_bound, state_bound, fixed, True)
+        state, complete = tokenizer.encode_bounded(state_text, budget)
+        if not complete or len(state) > budget:
+            raise too_long(fixed + len(state), len(state), fixed, not complete)
+    else:
+        if budget < 0:
+            raise too_long(fixed + tokenizer.min_tokens(state_text), tokenizer.min_tokens(state_text), fixed, True)
+        state, complete = tokenizer.encode_bounded(state_text, budget + max_length)
+    kept = state[:budget]
     offset = len(prefix) + len(kept)
     questions = tuple(
         EncodedQuestion(
@@ -268,4 +409,5 @@ def encode_request(
         dropped_state_tokens=len(state) - len(kept),
         schema_tokens=len(schema),
         suffix_tokens=len(suffix),
+        dropped_state_tokens_exact=complete,
     )

@@ -488,6 +488,5 @@ class Engine:
             "prefill": round((now - seq.started) * 1e3, 3),
             "total": round((now - seq.ticket.submitted) * 1e3, 3),
         }
-        if seq.record.dropped_state_tokens:
-            body["x_truncated_state_tokens"] = seq.record.dropped_state_tokens
+        body.update(seq.record.truncation_fields())
         return body

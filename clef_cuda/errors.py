@@ -23,9 +23,12 @@ class RequestError(ClefError, ValueError):
 class RequestTooLongError(ClefError):
     """The encoded record does not fit the token budget (HTTP 413). Carries the counts."""
 
-    def __init__(self, message: str, *, input_tokens: int, max_tokens: int, fixed_tokens: int) -> None:
+    def __init__(
+        self, message: str, *, input_tokens: int, max_tokens: int, fixed_tokens: int, at_least: bool = False
+    ) -> None:
         super().__init__(message)
-        self.input_tokens = input_tokens
+        self.input_tokens = input_tokens  # a lower bound when at_least (tokenisation stopped early)
+        self.at_least = at_least
         self.max_tokens = max_tokens
         self.fixed_tokens = fixed_tokens
 
