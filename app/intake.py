@@ -4,8 +4,12 @@ anything parses it. Everything here raises ClientError (a 4xx in the contract's 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import zlib
+from typing import Any
 
+import numpy as np
 from fastapi import Request
 
 
@@ -71,3 +75,99 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     except TimeoutError as error:
         raise ClientError(408, "request_timeout", f"the request body did not arrive within {timeout:.0f} s") from error
     return b"".join(chunks)
+
+
+# An escape (a backslash and the byte after it): never a string delimiter or a bracket.
+_JSON_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+# +1 for an opening bracket, -1 for a closing one, 0 for every other byte.
+_BRACKET_STEP = np.zeros(256, dtype=np.int8)
+_BRACKET_STEP[[ord("["), ord("{")]] = 1
+_BRACKET_STEP[[ord("]"), ord("}")]] = -1
+# \uD800-\uDFFF escapes: the only way a JSON text can carry a lone surrogate once it is valid UTF-8.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class InvalidBody(Exception):
+    """The body is not a usable JSON document (a 422 in FastAPI's `detail` list shape)."""
+
+    def __init__(self, loc: list, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.loc, self.message, self.kind = loc, message, kind
+
+    def as_detail(self) -> list[dict]:
+        return [{"loc": self.loc, "msg": self.message, "type": self.kind}]
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep the document nests ([ and { levels), from the bytes alone and without recursion, in
+    array passes: escapes blanked, then a bracket counts when an even number of quotes precedes it
+    (it is outside every string literal), and the depth is the maximum of the running sum."""
+    if b"\\" in raw:
+        raw = _JSON_ESCAPE.sub(b"__", raw)
+    data = np.frombuffer(raw, dtype=np.uint8)
+    step = _BRACKET_STEP[data]
+    brackets = np.flatnonzero(step)
+    if not brackets.size:
+        return 0
+    quotes = np.flatnonzero(data == ord('"'))
+    outside = np.searchsorted(quotes, brackets) % 2 == 0
+    running = np.cumsum(step[brackets[outside]], dtype=np.int32)
+    return max(0, int(running.max())) if running.size else 0
+
+
+def parse_json(raw: bytes, max_depth: int) -> Any:
+    """The body as JSON, or InvalidBody: not UTF-8, nested deeper than max_depth (refused before parsing:
+    Python's decoder, pydantic and the renderer all recurse), not JSON (numbers with more digits than
+    Python converts included), or a string with a lone surrogate ("\\ud800" is legal JSON, but the
+    tokenizer and the response encoder cannot take it), named by its place in the body."""
+    try:
+        text = raw.decode("utf-8-sig")  # strict: UTF-8 (RFC 8259), a leading BOM tolerated
+    except UnicodeDecodeError as error:
+        raise InvalidBody(["body"], f"the body is not valid UTF-8: {error}", "json_invalid") from error
+    # Only a body with more opening brackets than the limit can nest deeper than it.
+    depth = json_depth(raw) if raw.count(b"[") + raw.count(b"{") > max_depth else 0
+    if depth > max_depth:
+        raise InvalidBody(
+            ["body"],
+            f"the body nests {depth} levels deep; this server accepts at most {max_depth} (--max-json-depth)",
+            "json_too_deep",
+        )
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, ValueError, RecursionError) as error:
+        raise InvalidBody(["body"], f"the body is not valid JSON: {error}", "json_invalid") from error
+    if _SURROGATE_ESCAPE.search(text):  # rare (emoji escaped as pairs also match): only then walk the body
+        loc = _lone_surrogate(body)
+        if loc is not None:
+            raise InvalidBody(
+                ["body", *loc], "a string here contains a lone UTF-16 surrogate (not Unicode text)", "string_unicode"
+            )
+    return body
+
+
+def _lone_surrogate(value: Any) -> list | None:
+    """The path to the first string (or object key) that is not encodable as UTF-8, else None."""
+    stack: list[tuple[list, Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if not _encodable(key):
+                    return [*path, key.encode("utf-8", "backslashreplace").decode()]
+                stack.append(([*path, key], child))
+        elif isinstance(item, list):
+            stack.extend(([*path, index], child) for index, child in enumerate(item))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
