@@ -10,7 +10,11 @@ import os
 import sys
 from pathlib import Path
 
+from app.logs import LOG_FORMATS, configure_logging
+from clef_cuda.encoding import CLIENT_SPECIAL_TOKENS
+
 EXIT_USAGE = 2
+SELFCHECK_MODES = ("enforce", "warn", "off")  # what a failed on-device self-check does (app.server)
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
 
@@ -87,6 +91,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text, or json: one object per line (decision lines carry request id, status, tokens, timings)",
+    )
+    p.add_argument(
+        "--selfcheck",
+        choices=SELFCHECK_MODES,
+        default="enforce",
+        help="the on-device kernel self-check before /ready: enforce (a failure keeps the server unready and "
+        "refuses decisions), warn (serve anyway, loudly), off",
+    )
+    p.add_argument(
+        "--selfcheck-only",
+        action="store_true",
+        help="load the model, run the on-device self-check, print its table and exit 0 (passed) or 1 (failed)",
+    )
+    p.add_argument(
+        "--max-json-depth",
+        type=_positive_int,
+        default=256,
+        help="request bodies nested deeper are refused (422) before they are parsed",
+    )
+    p.add_argument(
+        "--client-special-tokens",
+        choices=CLIENT_SPECIAL_TOKENS,
+        default="control",
+        help="special tokens (<|im_end|>, ...) typed into client text: control tokens as the reference does "
+        "(control), or plain text (text: a state cannot forge the prompt's structure)",
+    )
     return p
 
 
@@ -112,23 +147,31 @@ def resolve_device(text: str | None):
     return device
 
 
-def make_engine(args):
-    """Load the release and build the engine (runs on the loader thread; errors surface on /ready)."""
+def make_decider(args):
+    """Load the release onto the serving device in the serving dtype."""
     import torch
 
     from clef_cuda import Decider
-    from clef_cuda.engine import Engine, EngineConfig
 
     device = resolve_device(args.device)
     dtype = getattr(torch, DTYPES[args.dtype or ("f16" if device.type == "cuda" else "f32")])
-    decider = Decider.from_release(
+    return Decider.from_release(
         args.weights,
         device=device,
         dtype=dtype,
         max_length=args.max_model_len,
         state_overflow=args.state_overflow,
         confidence=args.confidence,
+        client_special_tokens=args.client_special_tokens,
+        progress=args.log_format == "text",  # a progress bar is not a JSON line
     )
+
+
+def make_engine(args):
+    """Load the release and build the engine (runs on the loader thread; errors surface on /ready)."""
+    from clef_cuda.engine import Engine, EngineConfig
+
+    decider = make_decider(args)
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         prefill_chunk_size=args.prefill_chunk_size,
@@ -143,6 +186,16 @@ def make_engine(args):
     return Engine(decider, config)
 
 
+def selfcheck_only(args) -> int:
+    """--selfcheck-only: the report on stdout, exit 0 when every check passed, 1 otherwise."""
+    from clef_cuda.selfcheck import run_selfcheck
+
+    report = run_selfcheck(make_decider(args).trunk, block_size=args.block_size)
+    print(report.table())
+    print(f"self-check {report.summary()}")
+    return 0 if report.passed else 1
+
+
 def served_model_name(args: argparse.Namespace) -> str:
     """--served-model-name if given; else clef-flash for a release given with --w, clef-tiny without."""
     if args.served_model_name:
@@ -155,7 +208,9 @@ def served_model_name(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.selfcheck_only and args.selfcheck == "off":
+        parser.error("--selfcheck-only runs the self-check: it cannot be combined with --selfcheck off")
+    configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("clef_serve")
 
     from clef_cuda.config import load_release_config
@@ -180,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
             description = f"clef-flash System One decision model ({args.weights})"
     except (ValueError, ReleaseError) as error:
         parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
+    if args.selfcheck_only:
+        try:
+            return selfcheck_only(args)
+        except ReleaseError as error:  # a tensor the config check could not see: still the model's fault
+            parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
 
     from app.server import DrainingServer, ServerSettings, create_app
 
@@ -191,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         body_timeout=args.body_timeout,
         model_description=description,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        selfcheck=args.selfcheck,
+        max_json_depth=args.max_json_depth,
     )
     app = create_app(settings, load_engine=lambda: make_engine(args))
     log.info("listening on %s:%d (model loading in the background; /ready says when it is done)", args.host, args.port)

@@ -47,6 +47,35 @@ class Metrics:
             "clef_prefix_cache_blocks", "KV blocks held by prefix-cache entries (one snapshot slot each)", registry=r
         )
         self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed up and taking requests", registry=r)
+        self._selfcheck: tuple[Gauge, Gauge, Gauge, Gauge] | None = None  # made by observe_selfcheck
+
+    def observe_selfcheck(self, report) -> None:
+        """The on-device self-check's outcome (clef_cuda.selfcheck.SelfCheckReport). The families exist only
+        once a check ran: with --selfcheck off they are absent, not a misleading 0."""
+        if self._selfcheck is None:
+            r = self.registry
+            self._selfcheck = (
+                Gauge("clef_selfcheck_passed", "1 when every on-device kernel self-check passed, else 0", registry=r),
+                Gauge("clef_selfcheck_seconds", "Time the on-device kernel self-check took", registry=r),
+                Gauge(
+                    "clef_selfcheck_max_abs_error",
+                    "Largest |fast op - reference| of each self-check (+Inf: NaN written or the op raised)",
+                    ["check"],
+                    registry=r,
+                ),
+                Gauge(
+                    "clef_selfcheck_tolerance",
+                    "The bound each self-check's error must stay within",
+                    ["check"],
+                    registry=r,
+                ),
+            )
+        passed, seconds, error, tolerance = self._selfcheck
+        passed.set(1 if report.passed else 0)
+        seconds.set(report.seconds)
+        for check in report.checks:
+            error.labels(check=check.name).set(check.max_abs_error)
+            tolerance.labels(check=check.name).set(check.tolerance)
 
     def observe_engine(self, engine) -> None:
         """Copy the engine's counters into the gauges (called at scrape time)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 # A description or instruction: any JSON text, object or array (or null where the contract allows it).
 Describable = str | dict[str, Any] | list[Any]
@@ -30,9 +30,21 @@ class ChoiceQuestion(_Question):
     criteria: dict[str, Describable | None] = Field(min_length=2, max_length=255)
 
 
+def _no_null_level(levels: Any) -> Any:
+    if isinstance(levels, list):
+        for index, level in enumerate(levels):
+            if level is None:
+                raise ValueError(
+                    f"score level {index} is null: each level needs a description (a string, object or array); "
+                    "the official SDK rejects a null legend value"
+                )
+    return levels
+
+
 class ScoreQuestion(_Question):
     type: Literal["score"]
-    criteria: list[Describable | None] = Field(min_length=2, max_length=10)  # low to high; a map is a 422
+    # Low to high; a map is a 422. A null level is refused before the type check, with a clear message.
+    criteria: Annotated[list[Describable], BeforeValidator(_no_null_level)] = Field(min_length=2, max_length=10)
 
 
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
@@ -44,3 +56,25 @@ class SystemOneRequest(BaseModel):
     model: str
     state: str | dict[str, Any] | list[Any]
     questions: dict[QuestionId, Question] = Field(min_length=1, max_length=64)
+
+
+# Question types of TypeSafe's schema that clef has no head for: a 422 saying so (not a generic tag error).
+UNSUPPORTED_QUESTION_TYPES = {
+    "box": "clef has no box head (box is TypeSafe's locate-in-image type): it answers noul, choice and score questions"
+}
+
+
+def unsupported_question_errors(body: Any) -> list[dict[str, Any]]:
+    """422 items for questions of a type clef cannot answer, before the schema's own checks."""
+    questions = body.get("questions") if isinstance(body, dict) else None
+    if not isinstance(questions, dict):
+        return []
+    return [
+        {
+            "loc": ["body", "questions", question_id, "type"],
+            "msg": UNSUPPORTED_QUESTION_TYPES[q["type"]],
+            "type": "value_error",
+        }
+        for question_id, q in questions.items()
+        if isinstance(q, dict) and isinstance(q.get("type"), str) and q["type"] in UNSUPPORTED_QUESTION_TYPES
+    ]

@@ -3,14 +3,14 @@ and /metrics. Routes validate and translate; the engine (clef_cuda.engine) owns 
 
 Every error a client can cause is a 4xx in the contract's shape: 422 `{"detail": [{"loc", "msg", "type"}]}`
 for an invalid body, `{"detail": {"error_type", "message"}}` for the rest. Only the server's own faults
-are 5xx (503 while loading, draining or overloaded, with Retry-After; 500 for a numerical overflow).
+are 5xx (503 while loading, draining, overloaded or after a failed on-device self-check, with
+Retry-After; 500 for a numerical overflow).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 import time
@@ -25,11 +25,13 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.intake import ClientError, decompress, read_body
+from app.intake import ClientError, InvalidBody, decompress, parse_json, read_body
+from app.logs import log_decision, request_id_of
 from app.metrics import Metrics
-from app.schemas import SystemOneRequest
+from app.schemas import SystemOneRequest, unsupported_question_errors
 from clef_cuda.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
+from clef_cuda.selfcheck import SelfCheckReport, run_selfcheck
 
 log = logging.getLogger("clef_serve")
 RETRY_AFTER_SECONDS = "1"
@@ -47,16 +49,20 @@ class ServerSettings:
     model_description: str = "clef-flash System One decision model"
     release_date: str = "2026-10-01"
     disconnect_poll_seconds: float = 0.05
+    selfcheck: str = "enforce"  # enforce: a failed on-device self-check keeps /ready 503; warn: serve anyway; off
+    max_json_depth: int = 256  # deeper bodies are a 422 before they are parsed
 
 
 class ServerState:
-    """Loading -> ready -> draining. The engine appears once the model is loaded and warmed up."""
+    """loading -> ready -> draining (or failed, or selfcheck_failed: never ready). The engine appears once
+    the model is loaded, its kernels passed the self-check and a warm-up decision is done."""
 
     def __init__(self) -> None:
         self.engine: Engine | None = None
         self.status = "loading"
         self.error: str | None = None
         self.in_flight = 0  # decision requests being handled (a drain waits for them)
+        self.selfcheck: SelfCheckReport | None = None
 
     def idle(self) -> bool:
         engine = self.engine
@@ -90,7 +96,29 @@ def create_app(
     metrics = Metrics()
     names = {settings.served_model_name, *settings.aliases}
 
+    def passes_selfcheck(loaded: Engine) -> bool:
+        """The kernels proven on this device before any traffic (clef_cuda.selfcheck); False when a failure
+        must keep the server unready."""
+        if settings.selfcheck == "off":
+            log.warning("the on-device kernel self-check is off (--selfcheck off): kernels are not verified here")
+            return True
+        report = run_selfcheck(loaded.decider.trunk, block_size=loaded.config.block_size)
+        state.selfcheck = report
+        metrics.observe_selfcheck(report)
+        if report.passed:
+            log.info("on-device kernel self-check %s\n%s", report.summary(), report.table())
+            return True
+        banner = "!" * 100
+        log.error("%s\non-device kernel self-check %s\n%s\n%s", banner, report.summary(), report.table(), banner)
+        if settings.selfcheck == "warn":
+            log.error("--selfcheck warn: SERVING ANYWAY on kernels that failed their self-check; answers may be wrong")
+            return True
+        state.status, state.error = "selfcheck_failed", f"the on-device kernel self-check {report.summary()}"
+        return False
+
     def become_ready(loaded: Engine) -> None:
+        if not passes_selfcheck(loaded):
+            return  # never started: /ready stays 503 and decisions are refused, naming the failed checks
         loaded.start()
         if warm_up:
             loaded.decide(
@@ -175,9 +203,11 @@ def create_app(
 
     def ready_engine() -> Engine:
         if state.status != "ready" or state.engine is None:
-            why = {"loading": "the model is still loading", "draining": "the server is shutting down"}.get(
-                state.status, f"the model failed to load: {state.error}"
-            )
+            why = {
+                "loading": "the model is still loading",
+                "draining": "the server is shutting down",
+                "selfcheck_failed": f"this server does not answer: {state.error}",
+            }.get(state.status, f"the model failed to load: {state.error}")
             raise ClientError(503, "service_unavailable", why, {"Retry-After": RETRY_AFTER_SECONDS})
         return state.engine
 
@@ -192,14 +222,18 @@ def create_app(
     )
     async def systemone(request: Request) -> Response:
         started = time.perf_counter()
+        request.state.request_id = request_id_of(request)
         state.in_flight += 1
         try:
             response = await _systemone(request)
         finally:
             state.in_flight -= 1
+        seconds = time.perf_counter() - started
+        response.headers["X-Request-Id"] = request.state.request_id
         metrics.requests.labels(status=str(response.status_code)).inc()
         if response.status_code == 200:
-            metrics.latency.observe(time.perf_counter() - started)
+            metrics.latency.observe(seconds)
+        log_decision(request, response.status_code, seconds)
         return response
 
     async def _systemone(request: Request) -> Response:
@@ -208,14 +242,15 @@ def create_app(
             engine = ready_engine()
             raw = await read_body(request, settings.max_body_bytes, settings.body_timeout)
             raw = decompress(raw, request.headers.get("content-encoding", ""), settings.max_body_bytes)
+            try:  # off the event loop: a body of many megabytes takes a while to parse
+                body = await run_in_threadpool(parse_json, raw, settings.max_json_depth)
+            except InvalidBody as error:
+                return validation_response(error.as_detail())
+            unsupported = unsupported_question_errors(body)
+            if unsupported:
+                return validation_response(unsupported)
             try:
-                body = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                return validation_response(
-                    [{"loc": ["body"], "msg": f"the body is not valid JSON: {error}", "type": "json_invalid"}]
-                )
-            try:
-                SystemOneRequest.model_validate(body)
+                await run_in_threadpool(SystemOneRequest.model_validate, body)
             except ValidationError as error:
                 return validation_response(_pydantic_errors(error))
             if body["model"] not in names:
@@ -242,8 +277,10 @@ def create_app(
             metrics.prompt_tokens.inc(result["usage"]["input_tokens"])
             metrics.cached_tokens.inc(result.get("x_cached_tokens", 0))
             metrics.queue_latency.observe(result.get("x_timing_ms", {}).get("queue", 0.0) / 1e3)
+            request.state.result = result
             return JSONResponse(result)
         except ClientError as error:
+            request.state.error_type = error.error_type
             return error_response(error.status, error.error_type, error.message, error.headers)
 
     async def _wait(request: Request, engine: Engine, ticket) -> dict[str, Any]:
@@ -297,14 +334,18 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> Response:
+        """{"status", "selfcheck": the report or null (off, or not run yet)}; 503 adds the error body."""
+        body: dict[str, Any] = {
+            "status": state.status,
+            "selfcheck": state.selfcheck.to_json() if state.selfcheck is not None else None,
+        }
         if state.status == "ready":
-            return JSONResponse({"status": "ready"})
-        return error_response(
-            503,
-            "service_unavailable",
-            state.status if state.error is None else state.error,
-            {"Retry-After": RETRY_AFTER_SECONDS},
-        )
+            return JSONResponse(body)
+        body["detail"] = {
+            "error_type": "service_unavailable",
+            "message": state.status if state.error is None else state.error,
+        }
+        return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_SECONDS})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -345,7 +386,8 @@ class DrainingServer(uvicorn.Server):
 
     @classmethod
     def run_app(cls, app: FastAPI, host: str, port: int, log_level: str, drain_timeout: float) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+        # log_config=None: uvicorn writes through the root handler (app.logs), in the chosen format.
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, log_config=None)
         cls(config, app, drain_timeout).run()
 
     def handle_exit(self, sig: int, frame) -> None:

@@ -154,7 +154,9 @@ def main() -> int:
         path = tiny_release() if args.release == "tiny" else mid_release()
     decider = Decider.from_release(path, device="cpu", progress=False)
     rng = random.Random(0)
-    requests = [random_request(rng, max_choice=8, state_words=(5, 80)) for _ in range(args.requests)]
+    requests = [
+        random_request(rng, max_choice=8, state_words=(5, 80), null_score_levels=False) for _ in range(args.requests)
+    ]
     rows = []
 
     # 1. Throughput and latency by concurrency.

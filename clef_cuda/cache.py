@@ -45,9 +45,18 @@ class TrunkCache:
 
     @classmethod
     def allocate(
-        cls, config: TrunkConfig, num_slots: int, num_blocks: int, block_size: int, device, dtype: torch.dtype
+        cls,
+        config: TrunkConfig,
+        num_slots: int,
+        num_blocks: int,
+        block_size: int,
+        device,
+        dtype: torch.dtype,
+        layers: tuple[int, int] | None = None,
     ) -> TrunkCache:
-        linear, attention = len(config.linear_layers), len(config.attention_layers)
+        """Zeroed pools for every layer, or for `layers` = (delta-net layers, attention layers) only (the
+        self-check runs one layer of each kind on a pool of its own)."""
+        linear, attention = layers or (len(config.linear_layers), len(config.attention_layers))
         k = config.linear_conv_kernel_dim
         return cls(
             conv_states=torch.zeros(linear, num_slots, config.conv_dim, k - 1, dtype=dtype, device=device),

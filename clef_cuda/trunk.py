@@ -12,6 +12,7 @@ states (an f16 overflow) raise NumericalOverflowError instead of flowing into an
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,11 @@ class Trunk:
             config.rope_theta ** (torch.arange(0, half, dtype=torch.float32, device=device) * 2 / config.rotary_dim)
         )
         self.layers = [self._layer(weights, i, kind) for i, kind in enumerate(config.layer_types)]
+        # Layer i's index among the layers of its kind: where its state slots or KV blocks sit in a TrunkCache.
+        self.cache_index = [
+            (config.linear_layers if kind == LINEAR_ATTENTION else config.attention_layers).index(i)
+            for i, kind in enumerate(config.layer_types)
+        ]
 
     def _layer(self, w: dict[str, Tensor], index: int, kind: str) -> _LayerWeights:
         p = f"layers.{index}."
@@ -179,18 +185,12 @@ class Trunk:
         """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place."""
         eps = self.config.rms_norm_eps
         x = self.embed[batch.input_ids].float()  # the residual stream stays fp32
-        cos, sin = self._rope(batch.positions)
-        linear_index = attention_index = 0
-        for layer in self.layers:
+        rope = self._rope(batch.positions)
+        for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_scale, eps).to(self.dtype)
             # In-place updates below: these [N, hidden] / [N, intermediate] temporaries are the trunk's
             # largest, and on the CPU their allocation shows in the profile.
-            if layer.kind == LINEAR_ATTENTION:
-                x += self._delta_net(layer.mixer, h, batch, cache, linear_index)
-                linear_index += 1
-            else:
-                x += self._attention(layer.mixer, h, batch, cache, attention_index, cos, sin)
-                attention_index += 1
+            x += self._mix(layer, h, batch, cache, self.cache_index[index], rope)
             h = rms_norm(x, layer.post_scale, eps).to(self.dtype)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x += F.linear(F.silu(gate, inplace=True).mul_(up), layer.down)
@@ -201,6 +201,26 @@ class Trunk:
                 "serve with --dtype bf16 or f32"
             )
         return out
+
+    def mixer(self, layer_index: int, h: Tensor, batch: ChunkBatch, cache: TrunkCache, cache_index: int) -> Tensor:
+        """Layer `layer_index`'s mixer alone (its delta net or gated attention, without the MLP) on inputs that
+        are already input-normed, h [N, hidden] in the serving dtype -> [N, hidden] fp32. Reads and writes
+        `cache` at `cache_index` (the layer's place among the layers of its kind in that cache). The
+        self-check runs one real layer of each kind through this, once on the ops and once on the references."""
+        return self._mix(self.layers[layer_index], h, batch, cache, cache_index, self._rope(batch.positions))
+
+    def with_ops(self, ops) -> Trunk:
+        """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.reference."""
+        twin = copy.copy(self)
+        twin.ops = ops
+        return twin
+
+    def _mix(
+        self, layer: _LayerWeights, h: Tensor, batch: ChunkBatch, cache: TrunkCache, i: int, rope: tuple[Tensor, Tensor]
+    ) -> Tensor:
+        if layer.kind == LINEAR_ATTENTION:
+            return self._delta_net(layer.mixer, h, batch, cache, i)
+        return self._attention(layer.mixer, h, batch, cache, i, *rope)
 
     def _delta_net(self, w: _DeltaNetWeights, h: Tensor, batch: ChunkBatch, cache: TrunkCache, i: int) -> Tensor:
         c = self.config

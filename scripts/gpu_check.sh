@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: one command for a lent GPU machine (budget: under 8 minutes on an H200). Builds the
 # extension for the local arch, runs the whole test suite (the CUDA backend joins every op test when a GPU
-# is present), then times the ops; the table is printed last and written to $OUT/gpu_table.md.
+# is present), runs the on-device self-check in each dtype, then times the ops; the table is printed last
+# and written to $OUT/gpu_table.md.
 #
 # The device machine has no network. Prepare its Python packages here first (they travel with the tree):
 #   pip download -d .cache/wheelhouse --only-binary=:all: --python-version 3.12 \
@@ -38,10 +39,18 @@ $PY -m pytest tests -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -1
 tests_status=${PIPESTATUS[0]}
 set -e
 
+step "the on-device self-check on this GPU (the embedded model, each serving dtype; then its cost at clef-flash shapes)"
+selfcheck_status=0
+for dtype in f16 bf16 f32; do
+  $PY -m app --selfcheck-only --d 0 --dtype "$dtype" --log-level warning 2>&1 | tee -a "$OUT/selfcheck.log" | tail -1 \
+    || selfcheck_status=1
+done
+$PY benchmarks/selfcheck_cost.py --device cuda --dtype f16 2>&1 | tail -8 | tee -a "$OUT/selfcheck.log" || true
+
 step "benchmarks"
 rm -f "$OUT/gpu_table.md"
 $PY benchmarks/kernel_table.py --device cuda --markdown "$OUT/gpu_table.md" 2>&1 | grep -v "^|" | grep -v "^###" || true
 
-step "done: tests $([ "$tests_status" = 0 ] && echo passed || echo FAILED, see $OUT/tests.log); the table:"
+step "done: tests $([ "$tests_status" = 0 ] && echo passed || echo FAILED, see $OUT/tests.log); self-check $([ "$selfcheck_status" = 0 ] && echo passed || echo FAILED, see $OUT/selfcheck.log); the table:"
 cat "$OUT/gpu_table.md"
-exit "$tests_status"
+[ "$tests_status" = 0 ] && [ "$selfcheck_status" = 0 ]

@@ -19,3 +19,22 @@ class KeyBandZeroedOps:
 
     def __getattr__(self, name):
         return getattr(ops, name)
+
+
+class OpFault:
+    """An op library (clef_cuda.ops by default) with one op replaced by `broken(original, *args, **kwargs)`:
+    the injected faults the self-check's tests must catch."""
+
+    def __init__(self, name: str, broken, base=ops) -> None:
+        self._name, self._broken, self._base = name, broken, base
+
+    def __getattr__(self, attr):
+        original = getattr(self._base, attr)
+        if attr != self._name:
+            return original
+        return lambda *args, **kwargs: self._broken(original, *args, **kwargs)
+
+
+def with_fault(library, name: str, broken):
+    """`library` (an op library) with op `name` broken."""
+    return OpFault(name, broken, library)

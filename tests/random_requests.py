@@ -65,7 +65,7 @@ def description(rng: random.Random) -> Any:
     return rng.choice([text(rng, rng.randint(1, 5)), None, {"detail": text(rng, 2), "n": 3}, ["a", 1, None]])
 
 
-def question(rng: random.Random, kind: str, max_choice: int) -> dict[str, Any]:
+def question(rng: random.Random, kind: str, max_choice: int, null_score_levels: bool = True) -> dict[str, Any]:
     q: dict[str, Any] = {"type": kind}
     instructions = rng.randrange(6)
     if instructions < 3:
@@ -90,11 +90,16 @@ def question(rng: random.Random, kind: str, max_choice: int) -> dict[str, Any]:
         names = rng.sample(IDS, min(count, len(IDS))) + [f"opt{i}-{rng.choice(IDS)}" for i in range(count - len(IDS))]
         q["criteria"] = {name: description(rng) for name in names[:count]}
     else:
-        q["criteria"] = [description(rng) for _ in range(rng.randint(2, 10))]
+        levels = [description(rng) for _ in range(rng.randint(2, 10))]
+        q["criteria"] = levels if null_score_levels else [text(rng, 2) if d is None else d for d in levels]
     return q
 
 
-def random_request(rng: random.Random, max_choice: int = 12, state_words: tuple[int, int] = (5, 120)) -> dict:
+def random_request(
+    rng: random.Random, max_choice: int = 12, state_words: tuple[int, int] = (5, 120), null_score_levels: bool = True
+) -> dict:
+    """null_score_levels=False for requests sent over HTTP: the contract refuses a null score level (422),
+    which the reference itself (and so the in-process Decider) accepts."""
     state_kind = rng.randrange(3)
     if state_kind == 0:
         state: Any = text(rng, rng.randint(*state_words))
@@ -105,7 +110,7 @@ def random_request(rng: random.Random, max_choice: int = 12, state_words: tuple[
     questions = {}
     for _ in range(rng.randint(1, 4)):
         qid = rng.choice(IDS + [f"q{rng.randrange(1000)}", "cúestion ☃"])
-        questions[qid] = question(rng, rng.choice(["noul", "choice", "score"]), max_choice)
+        questions[qid] = question(rng, rng.choice(["noul", "choice", "score"]), max_choice, null_score_levels)
     return {"model": "clef-flash", "state": state, "questions": questions}
 
 

@@ -93,6 +93,11 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--w", "/nonexistent/clef-flash"], "--w /nonexistent/clef-flash: not a directory"),
         (["--d", "7"], "--d"),
         (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--selfcheck", "maybe"], "--selfcheck"),
+        (["--log-format", "xml"], "--log-format"),
+        (["--client-special-tokens", "raw"], "--client-special-tokens"),
+        (["--max-json-depth", "0"], "--max-json-depth"),
+        (["--selfcheck-only", "--selfcheck", "off"], "--selfcheck-only"),
     ],
 )
 def test_bad_flags_are_one_line_errors_with_exit_2(args, words):
@@ -133,3 +138,12 @@ def test_seed_deployment_arguments_parse():
     assert (args.max_num_seqs, args.kv_fraction, args.prefill_chunk_size) == (4, 0.30, 1024)
     assert not args.disable_prefix_cache and args.max_model_len == 16384 and served_model_name(args) == "clef-flash"
     assert served_model_name(build_parser().parse_args([])) == "clef-tiny"  # no --w: the embedded model
+    assert (args.selfcheck, args.log_format, args.client_special_tokens) == ("enforce", "text", "control")
+
+
+def test_client_special_tokens_reach_the_tokenizer():
+    from app.cli import build_parser, make_decider
+
+    args = build_parser().parse_args(["--d", "cpu", "--client-special-tokens", "text"])
+    args.weights = str(tiny_release())
+    assert make_decider(args).tokenizer.client_special_tokens == "text"

@@ -99,7 +99,7 @@ def test_sigterm_drains_then_exits_0():
 # ---- load ---------------------------------------------------------------------------------------
 def test_2000_requests_at_concurrency_32():
     rng = random.Random(2026)
-    requests = [random_request(rng, max_choice=6, state_words=(3, 40)) for _ in range(2000)]
+    requests = [random_request(rng, max_choice=6, state_words=(3, 40), null_score_levels=False) for _ in range(2000)]
     with server() as (url, _, _output):
         statuses: list[int] = []
         invalid: list[int] = []
@@ -211,8 +211,9 @@ def test_faulty_clients_do_not_disturb_the_others():
 
 
 # ---- fuzzing from the OpenAPI spec --------------------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fuzz_app():
+    """A started app of its own per test (schemathesis runs the app's shutdown when it is done)."""
     from fastapi.testclient import TestClient
 
     from app.server import ServerSettings, create_app
@@ -269,36 +270,35 @@ def test_fuzz_1000_requests_never_5xx(fuzz_app):
 
 
 # ---- security -----------------------------------------------------------------------------------
-def test_keys_and_bodies_are_never_logged():
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_keys_and_bodies_are_never_logged(log_format):
     secret, marker = "sk-very-secret-7f3a", "BODY-MARKER-91c2"
-    with server("--api-key", secret, "--log-level", "debug") as (url, process, output):
+    auth = {"Authorization": f"Bearer {secret}"}
+    flags = ("--api-key", secret, "--log-level", "debug", "--log-format", log_format)
+    with server(*flags) as (url, process, output):
         body = OK | {"state": f"the state contains {marker}"}
-        assert (
-            httpx.post(
-                url + "/v1/systemone", json=body, headers={"Authorization": f"Bearer {secret}"}, timeout=60
-            ).status_code
-            == 200
-        )
-        assert (
-            httpx.post(
-                url + "/v1/systemone", json=body, headers={"Authorization": "Bearer wrong-key"}, timeout=60
-            ).status_code
-            == 401
-        )
-        assert (
-            httpx.post(
-                url + "/v1/systemone",
-                content=b"{broken " + marker.encode(),
-                timeout=60,
-                headers={"Authorization": f"Bearer {secret}"},
-            ).status_code
-            == 422
-        )
+        ok = httpx.post(url + "/v1/systemone", json=body, headers=auth | {"X-Request-Id": "req-1"}, timeout=60)
+        assert ok.status_code == 200 and ok.headers["x-request-id"] == "req-1"
+        wrong = httpx.post(url + "/v1/systemone", json=body, headers={"Authorization": "Bearer wrong-key"}, timeout=60)
+        assert wrong.status_code == 401
+        broken = httpx.post(url + "/v1/systemone", content=b"{broken " + marker.encode(), timeout=60, headers=auth)
+        assert broken.status_code == 422
         process.send_signal(signal.SIGTERM)
         process.wait(60)
     logs = "".join(output)
     assert "ready" in logs  # the log was captured
     assert secret not in logs and "wrong-key" not in logs and marker not in logs
+    if log_format == "json":
+        lines = [json.loads(line) for line in logs.splitlines() if line.strip()]  # every line is one object
+        assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+        decisions = [line for line in lines if line["logger"] == "clef_serve.requests"]
+        first = next(line for line in decisions if line["request_id"] == "req-1")
+        assert first["status"] == 200 and first["input_tokens"] > 0 and first["cached_tokens"] == 0
+        assert {"queue_ms", "prefill_ms", "total_ms", "seconds"} <= set(first)
+        assert sorted(line["status"] for line in decisions if line["request_id"] != "req-1")[-2:] == [401, 422]
+        assert any(line["logger"] == "uvicorn.error" for line in lines)  # uvicorn's own lines too
+    else:
+        assert "clef_serve.requests: decision request_id=req-1 status=200 seconds=" in logs
 
 
 def test_no_cors_unless_configured():
@@ -313,3 +313,159 @@ def test_no_cors_unless_configured():
         allowed = c.get("/health", headers={"Origin": "https://app.example"})
         assert allowed.headers["access-control-allow-origin"] == "https://app.example"
         assert "access-control-allow-origin" not in c.get("/health", headers=origin).headers
+
+
+# ---- work before a 413 is bounded ----------------------------------------------------------------
+def _rss_sampler(pid: int):
+    """(stop, peak): samples the process's resident memory every 10 ms until stop is set."""
+    import psutil
+
+    process, stop, peak = psutil.Process(pid), threading.Event(), [0]
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.01)
+
+    threading.Thread(target=sample, daemon=True).start()
+    return stop, peak
+
+
+def test_huge_states_are_refused_at_once_and_others_are_served_meanwhile():
+    """Four 30 MB states at once (inside the 32 MiB body limit; before the bound: 39 s of CPU and +5 GB
+    each), and a 2 MB one that passes the cheap lower bound (it stops tokenising once past the budget):
+    all 413 within seconds, the server's memory stays near its baseline, a normal request sent alongside
+    is answered as usual."""
+    import psutil
+
+    rng = random.Random(5)
+    words = ["checkout", "ERROR", "db:", "refused", "12:00:01", "order", "shipped", "\n"]
+    text = " ".join(rng.choice(words) for _ in range(5_000_000))[:30_000_000]
+    huge = json.dumps({"model": "clef-tiny", "state": text, "questions": {"q": {"type": "noul"}}}).encode()
+    large = json.dumps({"model": "clef-tiny", "state": text[:2_000_000], "questions": {"q": {"type": "noul"}}})
+    normal = {"model": "clef-tiny", "state": "INFO api: ok\nERROR db: refused", "questions": {"q": {"type": "noul"}}}
+    with clef_serve_process("--d", "cpu", "--kv-fraction", "0.05") as (url, process, _):
+        assert httpx.post(url + "/v1/systemone", json=normal, timeout=30).status_code == 200  # warm
+        baseline = psutil.Process(process.pid).memory_info().rss
+        stop, peak = _rss_sampler(process.pid)
+        results: dict[str, tuple[int, float]] = {}
+
+        def send(name: str, body: bytes | str) -> None:
+            started = time.monotonic()
+            response = httpx.post(url + "/v1/systemone", content=body, timeout=120)
+            results[name] = (response.status_code, time.monotonic() - started)
+
+        senders = [threading.Thread(target=send, args=(f"huge{i}", huge)) for i in range(4)]
+        senders.append(threading.Thread(target=send, args=("large", large)))
+        started = time.monotonic()
+        for thread in senders:
+            thread.start()
+        time.sleep(0.2)  # the big bodies are in flight
+        send("normal", json.dumps(normal))
+        for thread in senders:
+            thread.join(120)
+        elapsed = time.monotonic() - started
+        stop.set()
+    growth = (peak[0] - baseline) / 2**20
+    assert {name: status for name, (status, _) in results.items()} == {
+        **{f"huge{i}": 413 for i in range(4)},
+        "large": 413,
+        "normal": 200,
+    }
+    assert elapsed < 20, results  # sending 122 MB over loopback included
+    assert results["normal"][1] < 10, results
+    assert growth < 1024, f"the server grew by {growth:.0f} MiB"
+
+
+# ---- hostile bodies -------------------------------------------------------------------------------
+def _hostile_bodies():
+    """Raw bodies and headers built to break parsers: deep nesting, lone surrogates anywhere, huge ids,
+    option counts past the limits, numbers Python will not convert, non-UTF-8 bytes, truncation, odd
+    content types and encodings."""
+    from hypothesis import strategies as st
+
+    # JSON string contents: plain characters and escapes, lone surrogates among them.
+    plain = st.text(st.characters(exclude_categories=("Cs", "Cc"), exclude_characters='"\\'), max_size=5)
+    escapes = st.sampled_from(["\\ud800", "\\udfff", "\\ud83d\\ude00", "\\u0000", "\\\\ud800", "\\n", "é", "🙂"])
+    text = st.lists(st.one_of(escapes, plain), max_size=6).map("".join)
+
+    def jstr(contents: str) -> str:
+        return f'"{contents}"'
+
+    nested = st.integers(0, 3000).flatmap(lambda d: st.sampled_from(["[" * d + "]" * d, '{"a":' * d + "1" + "}" * d]))
+    number = st.one_of(
+        st.integers(1, 6000).map(lambda n: "9" * n), st.sampled_from(["1e999", "-1e999", "NaN", "-Infinity", "1e-400"])
+    )
+    state = st.one_of(text.map(jstr), nested, number)
+    qid = st.one_of(text, st.sampled_from([300, 20_000, 200_000]).map(lambda n: "q" * n))  # 200k: over budget
+    kind = st.sampled_from(["noul", "choice", "score", "box", "video", ""])
+    options = st.integers(0, 600)
+
+    @st.composite
+    def body(draw):
+        count, k = draw(options), draw(kind)
+        if k == "score":
+            level = draw(st.sampled_from(['"lvl"', "null", "{}", "[]", jstr(draw(text))]))
+            criteria = "[" + ",".join([level] + ['"level"'] * (count - 1)) + "]"
+        else:  # option keys: one drawn, the rest numbered
+            criteria = "{" + ",".join([f"{jstr(draw(text))}: null"] + [f'"{i}": null' for i in range(count - 1)]) + "}"
+        model = draw(st.sampled_from(['"clef-flash"', '"jev-latest"', '"\\ud800"', "7", "null"]))
+        raw = (
+            f'{{"model": {model}, "state": {draw(state)}, '
+            f'"questions": {{{jstr(draw(qid))}: {{"type": "{k}", "criteria": {criteria}}}}}}}'
+        ).encode("utf-8", "surrogatepass")
+        damage = draw(st.sampled_from(["none", "none", "bytes", "truncate"]))
+        if damage == "bytes":
+            at = draw(st.integers(0, len(raw)))
+            raw = raw[:at] + draw(st.sampled_from([b"\xff", b"\xed\xa0\x80", b"\x00", b"\xc3"])) + raw[at:]
+        elif damage == "truncate":
+            raw = raw[: draw(st.integers(0, len(raw)))]
+        content_type = draw(
+            st.sampled_from(
+                [
+                    "application/json",
+                    "text/plain",
+                    "multipart/form-data; boundary=x",
+                    "application/x-www-form-urlencoded",
+                    None,
+                    "application/json; charset=latin-1",
+                    "\x7f",
+                ]
+            )
+        )
+        encoding = draw(st.sampled_from([None, "gzip", "zstd", "br", "gzip-garbage"]))
+        headers = {} if content_type is None or not content_type.isprintable() else {"Content-Type": content_type}
+        if encoding == "gzip":
+            raw, headers["Content-Encoding"] = gzip.compress(raw), "gzip"
+        elif encoding == "zstd":
+            import zstandard
+
+            raw, headers["Content-Encoding"] = zstandard.ZstdCompressor().compress(raw), "zstd"
+        elif encoding == "gzip-garbage":
+            headers["Content-Encoding"] = "gzip"
+        elif encoding == "br":
+            headers["Content-Encoding"] = "br"
+        return raw, headers
+
+    return body()
+
+
+def test_hostile_bodies_never_5xx(fuzz_app):
+    from fastapi.testclient import TestClient
+    from hypothesis import HealthCheck, given, settings
+
+    client = TestClient(fuzz_app)  # no `with`: the app is already started
+    statuses: list[int] = []
+
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(case=_hostile_bodies())
+    def run(case):
+        raw, headers = case
+        response = client.post("/v1/systemone", content=raw, headers=headers)
+        statuses.append(response.status_code)
+        assert response.status_code < 500, (raw[:300], headers, response.text)
+        if response.status_code >= 400:
+            assert _contract_shape(response), response.text
+
+    run()
+    assert {200, 413, 422} <= set(statuses), sorted(set(statuses))

@@ -239,7 +239,7 @@ def test_not_ready_and_queue_full_are_503_with_retry_after(decider):
 
 # ---- concurrency, exactness, cleanup -------------------------------------------------------------
 def test_32_concurrent_requests_equal_sequential_answers(decider):
-    requests = [random_request(random.Random(100 + i)) for i in range(32)]
+    requests = [random_request(random.Random(100 + i), null_score_levels=False) for i in range(32)]
     app = create_app(ServerSettings(), engine=make_engine(decider, max_num_seqs=4, prefill_chunk_size=96))
 
     async def run_all():
@@ -346,3 +346,60 @@ def test_cancelled_requests_free_their_slot_and_blocks(decider):
         assert engine.running_slots.available == engine.plan.running_slots
     finally:
         engine.stop(10)
+
+
+# ---- contract fixes: each was a client-caused 5xx or a body the official client cannot read ----------
+def test_a_null_score_level_is_422_naming_the_level(client):
+    body = OK | {"questions": {"q": {"type": "score", "criteria": ["low", None, "high"]}}}
+    response = post(client, body)
+    assert_422(response)
+    (item,) = response.json()["detail"]
+    assert item["loc"][:3] == ["body", "questions", "q"] and "level 1 is null" in item["msg"]
+
+
+def test_a_box_question_is_422_saying_what_clef_answers(client):
+    body = OK | {"questions": {"ok": {"type": "noul"}, "where": {"type": "box", "instructions": "Find the dent"}}}
+    response = post(client, body)
+    assert_422(response)
+    (item,) = response.json()["detail"]
+    assert item["loc"] == ["body", "questions", "where", "type"]
+    assert "box" in item["msg"] and "noul, choice and score" in item["msg"]
+
+
+def test_deep_nesting_is_422_naming_the_limit(client):
+    deep = "[" * 5000 + "]" * 5000  # Python's JSON decoder raised RecursionError here: a 500
+    raw = f'{{"model": "clef-flash", "state": {deep}, "questions": {{"q": {{"type": "noul"}}}}}}'
+    response = client.post("/v1/systemone", content=raw.encode(), headers=AUTH)
+    assert_422(response)
+    assert "--max-json-depth" in response.json()["detail"][0]["msg"]
+    fine = {"model": "clef-flash", "state": json.loads("[" * 200 + "]" * 200), "questions": {"q": {"type": "noul"}}}
+    assert post(client, fine).status_code == 200  # well below the default limit, through every stage
+
+
+@pytest.mark.parametrize(
+    "raw, loc",
+    [
+        ('{"model": "clef-flash", "state": "a\\ud800b", "questions": {"q": {"type": "noul"}}}', ["body", "state"]),
+        ('{"model": "clef-flash", "state": "s", "questions": {"q\\udfff": {"type": "noul"}}}', ["body", "questions"]),
+        (
+            '{"model": "clef-flash", "state": "s", "questions": {"q": {"type": "choice", "criteria": {"a": null,'
+            ' "b\\ud800": null}}}}',
+            ["body", "questions", "q", "criteria"],
+        ),
+        ('{"model": "\\ud800", "state": "s", "questions": {"q": {"type": "noul"}}}', ["body", "model"]),
+    ],
+)
+def test_lone_surrogates_are_422_naming_the_field(client, raw, loc):
+    response = client.post("/v1/systemone", content=raw.encode(), headers=AUTH)
+    assert_422(response)
+    assert response.json()["detail"][0]["loc"][: len(loc)] == loc
+
+
+def test_request_ids_are_echoed_or_made(client):
+    given = post(client, OK, headers=AUTH | {"X-Request-Id": "trace-7f3a.1"})
+    assert given.headers["x-request-id"] == "trace-7f3a.1"
+    made = post(client, OK)
+    assert len(made.headers["x-request-id"]) == 32 and int(made.headers["x-request-id"], 16) >= 0
+    forged = post(client, OK, headers=AUTH | {"X-Request-Id": "x status=200 injected"})  # a forged log line
+    assert forged.headers["x-request-id"] != "x status=200 injected"
+    assert post(client, OK | {"model": "gpt-5"}).headers["x-request-id"]  # errors carry one too

@@ -128,7 +128,9 @@ def _tests_on_path() -> None:
 
 @contextlib.contextmanager
 def serving(release: Path, ops=None, prefix_cache: bool = True):
-    """A live clef-serve app on 127.0.0.1 over `release` (with `ops` swapped in for fault injection)."""
+    """A live clef-serve app on 127.0.0.1 over `release` (with `ops` swapped in for fault injection). A
+    fault makes the on-device self-check fail, which would keep the server unready; to measure what the
+    fault would have answered, that server runs with --selfcheck warn (as the seed had no check at all)."""
     _tests_on_path()
     from live import live_server
 
@@ -139,7 +141,8 @@ def serving(release: Path, ops=None, prefix_cache: bool = True):
     decider = Decider.from_release(release, device="cpu", progress=False, ops=ops)
     # Snapshots from 32 saved tokens on: held-out states are short, and the second pass should find them.
     engine = Engine(decider, EngineConfig(kv_fraction=0.05, prefix_cache=prefix_cache, min_snapshot_tokens=32))
-    with live_server(engine, ServerSettings(served_model_name="clef-tiny")) as (url, _):
+    settings = ServerSettings(served_model_name="clef-tiny", selfcheck="enforce" if ops is None else "warn")
+    with live_server(engine, settings) as (url, _):
         yield url, decider
 
 

@@ -1,0 +1,394 @@
+"""The on-device self-check: before a server takes traffic, prove its kernels on the device it runs on.
+
+Our CUDA kernels are verified without a GPU (CPU twins sharing their index math, a simulator, compilation
+for every arch), so the first GPU of a kind to run them is a user's. The seed's incident (a conv that
+zeroed the key channel band on V100s, answering well-formed, wrong decisions) is what happens when
+nobody checks there. So, after the weights load and before /ready turns 200, every fast op the trunk
+will call is run on the serving device and dtype, at the loaded model's shapes, next to
+clef_cuda.reference on the same inputs:
+
+- causal_conv1d_fwd, each channel band on its own (q, k, v: the key band by name) and the conv history it
+  leaves; causal_conv1d_update;
+- gated_delta_rule_chunk over a sequence longer than the reference's 64-token chunk, with initial states
+  and Hv = r Hk as configured, and the states it leaves; gated_delta_rule_recurrent;
+- reshape_and_cache, then paged_attention over a cached prefix plus a new chunk, a fresh prefill and a
+  decode token, GQA at the model's head dim;
+- one real delta-net layer and one real attention layer of the loaded weights (their mixers, over two
+  prefill steps so the second continues from the first's caches), through the ops vs the references.
+
+Outputs and unused cache slots are NaN-poisoned: an element the op leaves unwritten, or a slot or block
+outside the context that it reads, turns into NaN and fails the check. An op that raises fails its
+check with the error. Cost: milliseconds of device work at clef-flash's shapes (the inputs are a few
+hundred tokens); benchmarks/selfcheck_cost.py measures it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from clef_cuda import reference
+from clef_cuda.cache import TrunkCache
+from clef_cuda.trunk import ChunkBatch, SequenceChunk, Trunk, rms_norm
+
+Tensor = torch.Tensor
+
+# Tolerances. A check passes when max |fast - reference| <= rtol * max |reference| over the compared
+# tensor (relative to its largest value, so a check means the same at any activation scale, and an
+# output that comes back zero fails by 100%). Both sides compute the same function in fp32 and round the
+# result to the serving dtype once, so in f16 and bf16 they differ by that rounding: an ulp of the
+# largest value at most (f16 2^-10 = 9.8e-4, bf16 2^-7 = 7.8e-3); rtol allows 2 ulps, so a 1% error is
+# caught in f16 and, in bf16 (whose own rounding is 0.8%), one of about 2%. In fp32 only the order of the
+# sums differs (~1e-6 relative at these lengths); rtol allows 1e-5. The delta-rule states are fp32 in
+# every serving dtype and leave 70 steps of the recurrence (the op) against the chunked form (the
+# reference): STATE_RTOL. A layer check passes the op outputs through the layer's own roundings (norms,
+# gates, the projections in the serving dtype): LAYER_FACTOR x the op's rtol. KV-cache writes are copies:
+# exact.
+OP_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+STATE_RTOL = 1e-4
+LAYER_FACTOR = 2.0
+
+# Sequence lengths: one longer than the reference's 64-token delta-rule chunk, a single token (the
+# smallest pack entry) and a short one; prefix, chunk and decode lengths for attention.
+PACK_LENGTHS = (70, 1, 5)
+ATTENTION_PREFIX, ATTENTION_CHUNK, ATTENTION_FRESH, ATTENTION_DECODE_CONTEXT = 37, 13, 20, 40
+LAYER_STEPS = ((70, 5), (9, 1))  # two prefill steps of two sequences: the second continues the first
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    max_abs_error: float  # inf when the op wrote NaN where the reference has a number, or raised
+    tolerance: float
+    error: str | None = None  # the exception, when the op raised
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.max_abs_error <= self.tolerance  # NaN compares false: fails
+
+
+@dataclass(frozen=True)
+class SelfCheckReport:
+    device: str
+    dtype: str
+    seconds: float
+    checks: tuple[Check, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c.passed]
+
+    def summary(self) -> str:
+        """One line: 'passed (N checks)' or the failing checks with their errors."""
+        if self.passed:
+            return f"passed ({len(self.checks)} checks on {self.device} {self.dtype}, {self.seconds:.2f} s)"
+        return "FAILED on {} {}: {}".format(
+            self.device,
+            self.dtype,
+            "; ".join(
+                f"{c.name} ({c.error})"
+                if c.error
+                else f"{c.name} (max abs error {c.max_abs_error:.3g} > tolerance {c.tolerance:.3g})"
+                for c in self.failures
+            ),
+        )
+
+    def table(self) -> str:
+        width = max(len(c.name) for c in self.checks)
+        lines = [
+            f"self-check on {self.device} {self.dtype}: {'PASSED' if self.passed else 'FAILED'} ({self.seconds:.2f} s)",
+            f"{'check':<{width}}  {'max abs error':>13}  {'tolerance':>9}  result",
+        ]
+        for c in self.checks:
+            result = "ok" if c.passed else f"FAIL {c.error}" if c.error else "FAIL"
+            lines.append(f"{c.name:<{width}}  {c.max_abs_error:>13.3e}  {c.tolerance:>9.2e}  {result}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """For /ready. JSON has no NaN or Infinity: a non-finite error is null (and the check failed)."""
+
+        def number(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        checks = {}
+        for c in self.checks:
+            checks[c.name] = {"max_abs_error": number(c.max_abs_error), "tolerance": c.tolerance, "passed": c.passed}
+            if c.error:
+                checks[c.name]["error"] = c.error
+        return {
+            "passed": self.passed,
+            "device": self.device,
+            "dtype": self.dtype,
+            "seconds": round(self.seconds, 4),
+            "checks": checks,
+        }
+
+
+def run_selfcheck(trunk: Trunk, *, block_size: int = 16, seed: int = 0) -> SelfCheckReport:
+    """Every fast op `trunk` runs, and one real layer of each kind, against clef_cuda.reference on the
+    trunk's device and dtype at its config's shapes. `block_size` is the serving KV block size."""
+    check = _SelfCheck(trunk, block_size, seed)
+    started = time.perf_counter()
+    results: list[Check] = []
+    with torch.inference_mode(), _exact_fp32():
+        for name, group in check.groups():
+            results += check.guarded(name, group)
+        if check.device.type == "cuda":
+            torch.cuda.synchronize(check.device)
+    seconds = time.perf_counter() - started
+    return SelfCheckReport(str(check.device), str(trunk.dtype).removeprefix("torch."), seconds, tuple(results))
+
+
+@contextlib.contextmanager
+def _exact_fp32() -> Iterator[None]:
+    """The references must be fp32-exact: no TF32 in cuDNN convs or cuBLAS matmuls while they run (both
+    are allowed by default for convs on Ampere and newer, which would make the arbiter the noisy side)."""
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _max_abs_error(actual: Tensor, expected: Tensor) -> float:
+    """max |actual - expected|, where NaN on both sides (poison the op was meant to leave alone) counts as
+    equal and NaN on one side only is an infinite error."""
+    actual, expected = actual.float(), expected.float()
+    diff = (actual - expected).abs().masked_fill(torch.isnan(actual) & torch.isnan(expected), 0.0)
+    if diff.numel() == 0:
+        return 0.0
+    worst = float(diff.max())
+    return math.inf if math.isnan(worst) else worst
+
+
+def _scale(expected: Tensor) -> float:
+    return float(expected.float().nan_to_num(0.0).abs().max()) if expected.numel() else 0.0
+
+
+class _SelfCheck:
+    def __init__(self, trunk: Trunk, block_size: int, seed: int) -> None:
+        self.trunk, self.ops, self.config = trunk, trunk.ops, trunk.config
+        self.dtype, self.device, self.block_size = trunk.dtype, trunk.embed.device, block_size
+        self.rtol = OP_RTOL.get(self.dtype, OP_RTOL[torch.bfloat16])
+        self.generator = torch.Generator().manual_seed(seed)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def groups(self) -> list[tuple[str, Callable[[], list[Check]]]]:
+        """(name, checks) for each op family and real layer; the name stands for the group if it raises."""
+        c = self.config
+        groups = [
+            ("causal_conv1d_fwd", self.conv_fwd),
+            ("causal_conv1d_update", self.conv_update),
+            ("gated_delta_rule_chunk", self.gdr_chunk),
+            ("gated_delta_rule_recurrent", self.gdr_recurrent),
+            ("paged_attention", self.paged_attention),
+        ]
+        for kind, layers in (("delta_net", c.linear_layers), ("attention", c.attention_layers)):
+            if layers:
+                name = f"layer{layers[0]}.{kind}"
+                groups.append((name, functools.partial(self.layer_check, name, layers[0])))
+        return groups
+
+    def guarded(self, name: str, group: Callable[[], list[Check]]) -> list[Check]:
+        """Run one group of checks; an exception fails the group under its name, with the error."""
+        try:
+            return group()
+        except Exception as error:  # a kernel that raises (no image for this arch, a bad launch) fails
+            return [Check(name, math.inf, 0.0, error=f"{type(error).__name__}: {error}".splitlines()[0][:300])]
+
+    def randn(self, *shape: int, dtype: torch.dtype | None = None, scale: float = 1.0) -> Tensor:
+        # Drawn on the CPU from a seeded generator: the same inputs on every device.
+        t = torch.randn(*shape, generator=self.generator) * scale
+        return t.to(device=self.device, dtype=dtype or self.dtype)
+
+    def ints(self, values, dtype=torch.int32) -> Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def cu_seqlens(self, lengths) -> Tensor:
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return self.ints(cu)
+
+    def compare(self, name: str, actual: Tensor, expected: Tensor, rtol: float) -> Check:
+        return Check(name, _max_abs_error(actual, expected), rtol * _scale(expected))
+
+    def poisoned(self, t: Tensor, *slots: int) -> Tensor:
+        t[list(slots)] = float("nan")
+        return t
+
+    # ---- causal conv1d -----------------------------------------------------------------------------
+    def conv_fwd(self) -> list[Check]:
+        c = self.config
+        channels, width = c.conv_dim, c.linear_conv_kernel_dim
+        n = sum(PACK_LENGTHS)
+        # A strided view of a wider projection, as the trunk passes it.
+        x = self.randn(n, channels + 64)[:, :channels]
+        weight = self.randn(channels, width, dtype=torch.float32, scale=0.5)
+        # Slots: 4 in the pool; sequence 1 starts fresh in slot 0 (its old contents must not be read),
+        # slot 1 belongs to nobody (must stay untouched).
+        states = self.poisoned(self.randn(4, channels, width - 1), 0, 1)
+        expected_states = states.clone()
+        cu, slots = self.cu_seqlens(PACK_LENGTHS), self.ints([2, 0, 3])
+        initial = self.ints([True, False, True], torch.bool)
+        out = torch.full(x.shape, float("nan"), dtype=self.dtype, device=self.device)
+        self.ops.causal_conv1d_fwd(x, weight, None, states, cu, slots, initial, out=out)
+        expected = reference.causal_conv1d_fwd(x, weight, None, expected_states, cu, slots, initial)
+        bands = {"q": (0, c.key_dim), "k": (c.key_dim, 2 * c.key_dim), "v": (2 * c.key_dim, channels)}
+        checks = [
+            self.compare(f"causal_conv1d_fwd.{band}", out[:, lo:hi], expected[:, lo:hi], self.rtol)
+            for band, (lo, hi) in bands.items()
+        ]
+        checks.append(self.compare("causal_conv1d_fwd.conv_states", states, expected_states, self.rtol))
+        return checks
+
+    def conv_update(self) -> list[Check]:
+        c = self.config
+        channels, width = c.conv_dim, c.linear_conv_kernel_dim
+        x = self.randn(3, channels + 64)[:, :channels]
+        weight = self.randn(channels, width, dtype=torch.float32, scale=0.5)
+        states = self.poisoned(self.randn(4, channels, width - 1), 2)
+        expected_states = states.clone()
+        slots = self.ints([3, 1, 0])
+        out = torch.full(x.shape, float("nan"), dtype=self.dtype, device=self.device)
+        self.ops.causal_conv1d_update(x, weight, None, states, slots, out=out)
+        expected = reference.causal_conv1d_update(x, weight, None, expected_states, slots)
+        return [
+            self.compare("causal_conv1d_update", out, expected, self.rtol),
+            self.compare("causal_conv1d_update.conv_states", states, expected_states, self.rtol),
+        ]
+
+    # ---- gated delta rule --------------------------------------------------------------------------
+    def delta_rule_inputs(self, n: int) -> tuple[Tensor, ...]:
+        c = self.config
+        hk, hv, dk, dv = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        )
+        mixed = self.randn(n, c.conv_dim)  # q | k | v bands of one conv output, viewed as the trunk does
+        q = mixed[:, : c.key_dim].view(n, hk, dk)
+        k = mixed[:, c.key_dim : 2 * c.key_dim].view(n, hk, dk)
+        v = mixed[:, 2 * c.key_dim :].view(n, hv, dv)
+        # Log decays over the range real layers produce (-exp(A_log) softplus(a + dt_bias)), in fp32.
+        g = -torch.rand(n, hv, generator=self.generator).mul(3.0).to(self.device)
+        beta = torch.rand(n, hv, generator=self.generator).to(self.device)
+        return q, k, v, g, beta
+
+    def gdr_states(self, *poisoned_slots: int) -> Tensor:
+        c = self.config
+        shape = (4, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        return self.poisoned(self.randn(*shape, dtype=torch.float32, scale=0.3), *poisoned_slots)
+
+    def gdr_chunk(self) -> list[Check]:
+        n = sum(PACK_LENGTHS)
+        q, k, v, g, beta = self.delta_rule_inputs(n)
+        states = self.gdr_states(1, 2)  # slot 2 starts fresh (not read), slot 1 is nobody's (not written)
+        expected_states = states.clone()
+        cu, slots = self.cu_seqlens(PACK_LENGTHS), self.ints([3, 2, 0])
+        initial = self.ints([True, False, True], torch.bool)
+        out = torch.full(v.shape, float("nan"), dtype=self.dtype, device=self.device)
+        self.ops.gated_delta_rule_chunk(q, k, v, g, beta, states, cu, slots, initial, out=out)
+        expected = reference.gated_delta_rule_chunk(q, k, v, g, beta, expected_states, cu, slots, initial)
+        return [
+            self.compare("gated_delta_rule_chunk", out, expected, self.rtol),
+            self.compare("gated_delta_rule_chunk.states", states, expected_states, STATE_RTOL),
+        ]
+
+    def gdr_recurrent(self) -> list[Check]:
+        q, k, v, g, beta = self.delta_rule_inputs(3)
+        states = self.gdr_states(2)
+        expected_states = states.clone()
+        slots = self.ints([1, 3, 0])
+        out = torch.full(v.shape, float("nan"), dtype=self.dtype, device=self.device)
+        self.ops.gated_delta_rule_recurrent(q, k, v, g, beta, states, slots, out=out)
+        expected = reference.gated_delta_rule_recurrent(q, k, v, g, beta, expected_states, slots)
+        return [
+            self.compare("gated_delta_rule_recurrent", out, expected, self.rtol),
+            self.compare("gated_delta_rule_recurrent.states", states, expected_states, STATE_RTOL),
+        ]
+
+    # ---- paged KV cache ----------------------------------------------------------------------------
+    def paged_attention(self) -> list[Check]:
+        """Three sequences in one pack: a new chunk after a cached prefix, a fresh prefill, one decode
+        token. Their blocks are scattered through a pool whose other blocks (and the unused tails of
+        partly filled ones) are NaN: reading anything outside a context fails the check."""
+        c, bs = self.config, self.block_size
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        contexts = (ATTENTION_PREFIX + ATTENTION_CHUNK, ATTENTION_FRESH, ATTENTION_DECODE_CONTEXT + 1)
+        new_tokens = (ATTENTION_CHUNK, ATTENTION_FRESH, 1)
+        needed = [-(-ctx // bs) for ctx in contexts]
+        num_blocks = sum(needed) + 3  # spare blocks: never in a context
+        order = torch.randperm(num_blocks, generator=self.generator).tolist()
+        tables, cursor = [], 0
+        for count in needed:
+            tables.append(order[cursor : cursor + count])
+            cursor += count
+        spare = order[-1]
+        width = max(needed)
+        block_tables = self.ints([t + [spare] * (width - len(t)) for t in tables])
+
+        # Every position of every sequence is written (the prefix as an earlier step would have), plus
+        # one token with slot -1 that must be skipped.
+        slot_mapping = [t[p // bs] * bs + p % bs for t, ctx in zip(tables, contexts, strict=True) for p in range(ctx)]
+        slot_mapping.append(-1)
+        keys, values = self.randn(len(slot_mapping), hkv, d), self.randn(len(slot_mapping), hkv, d)
+        caches = [torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=self.dtype, device=self.device)]
+        caches = [caches[0], caches[0].clone(), caches[0].clone(), caches[0].clone()]
+        key_cache, value_cache, expected_keys, expected_values = caches
+        mapping = self.ints(slot_mapping)
+        self.ops.reshape_and_cache(keys, values, key_cache, value_cache, mapping)
+        reference.reshape_and_cache(keys, values, expected_keys, expected_values, mapping)
+        written = max(
+            _max_abs_error(key_cache, expected_keys), _max_abs_error(value_cache, expected_values)
+        )  # copies: exact
+        checks = [Check("reshape_and_cache", written, 0.0)]
+
+        query = self.randn(sum(new_tokens), hq, d)
+        cu, lengths = self.cu_seqlens(new_tokens), self.ints(list(contexts))
+        out = torch.full(query.shape, float("nan"), dtype=self.dtype, device=self.device)
+        self.ops.paged_attention(query, key_cache, value_cache, cu, lengths, block_tables, out=out)
+        expected = reference.paged_attention(query, expected_keys, expected_values, cu, lengths, block_tables)
+        start = 0
+        for case, count in zip(("prefix+chunk", "prefill", "decode"), new_tokens, strict=True):
+            rows = slice(start, start + count)
+            checks.append(self.compare(f"paged_attention.{case}", out[rows], expected[rows], self.rtol))
+            start += count
+        return checks
+
+    # ---- real layers ---------------------------------------------------------------------------------
+    def layer_check(self, name: str, layer_index: int) -> list[Check]:
+        """The layer's mixer on its loaded weights, two prefill steps, through the ops and the references;
+        inputs are random hidden states normed by the layer's own input norm."""
+        c, bs = self.config, self.block_size
+        layer = self.trunk.layers[layer_index]
+        twin = self.trunk.with_ops(reference)
+        blocks_per_sequence = -(-sum(s[0] for s in LAYER_STEPS) // bs)
+        caches = [
+            TrunkCache.allocate(c, 2, 2 * blocks_per_sequence, bs, self.device, self.dtype, layers=(1, 1))
+            for _ in range(2)
+        ]
+        blocks = [list(range(b * blocks_per_sequence, (b + 1) * blocks_per_sequence)) for b in range(2)]
+        fast_out, ref_out, starts = [], [], [0, 0]
+        for lengths in LAYER_STEPS:
+            # Token ids are not used: the mixer takes hidden states.
+            chunks = [SequenceChunk([0] * n, starts[b], b, blocks[b]) for b, n in enumerate(lengths)]
+            batch = ChunkBatch.build(chunks, bs, self.device)
+            hidden = self.randn(sum(lengths), c.hidden_size, dtype=torch.float32)
+            h = rms_norm(hidden, layer.input_scale, c.rms_norm_eps).to(self.dtype)
+            fast_out.append(self.trunk.mixer(layer_index, h, batch, caches[0], 0))
+            ref_out.append(twin.mixer(layer_index, h, batch, caches[1], 0))
+            starts = [s + n for s, n in zip(starts, lengths, strict=True)]
+        return [self.compare(name, torch.cat(fast_out), torch.cat(ref_out), LAYER_FACTOR * self.rtol)]
