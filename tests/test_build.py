@@ -99,3 +99,17 @@ def test_the_embedded_model_ships_in_the_wheel(setup_module):
     assert "model.safetensors" in {Path(f).name for f in files}
     for name in files:
         assert any(fnmatch(name, pattern) for pattern in setup_module.PACKAGE_DATA["clef_cuda"]), name
+
+
+def test_the_torch_floor_is_the_v100_images_torch():
+    """pyproject.toml's torch floor is the Dockerfile's TORCH_VERSION, which scripts/torch_floor_check.sh
+    (run by .ci/run) installs and tests the package under."""
+    import re
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (image_torch,) = re.findall(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M)
+    (floor,) = re.findall(r'^\s*"torch>=([^"]+)",', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert floor == image_torch
+    script = (ROOT / "scripts" / "torch_floor_check.sh").read_text()
+    assert "ARG TORCH_VERSION=" in script and f"{image_torch})" in script  # reads it, knows its torchvision
+    assert "scripts/torch_floor_check.sh" in (ROOT / ".ci" / "run").read_text()
