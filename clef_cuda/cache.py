@@ -156,6 +156,7 @@ class PrefixEntry:
     """What a later record with the same first `length` tokens can reuse instead of recomputing them."""
 
     tokens: tuple[int, ...]  # the prefix itself (hash collisions are checked, not trusted)
+    digests: tuple[bytes, ...]  # of the images among those tokens: same-size images have the same tokens
     blocks: list[int]  # KV blocks holding positions [0, length)
     snapshot_slot: int  # a state slot holding every delta net's conv and recurrent state after `length`
     memory: torch.Tensor  # the head's memory rows [length, width]
@@ -177,11 +178,15 @@ class PrefixCache:
         self.hits = self.misses = self.evictions = 0
 
     @staticmethod
-    def key(tokens: tuple[int, ...] | list[int]) -> bytes:
+    def key(tokens: tuple[int, ...] | list[int], digests: tuple[bytes, ...] = ()) -> bytes:
+        """Tokens and image digests: two images of one size give the same tokens, never the same key."""
         import hashlib
         from array import array
 
-        return hashlib.blake2b(array("i", tokens).tobytes(), digest_size=16).digest()
+        key = hashlib.blake2b(array("i", tokens).tobytes(), digest_size=16)
+        for digest in digests:
+            key.update(digest)
+        return key.digest()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -189,9 +194,9 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
-    def get(self, key: bytes, tokens: tuple[int, ...]) -> PrefixEntry | None:
+    def get(self, key: bytes, tokens: tuple[int, ...], digests: tuple[bytes, ...] = ()) -> PrefixEntry | None:
         entry = self._entries.get(key)
-        if entry is None or entry.tokens != tokens:
+        if entry is None or entry.tokens != tokens or entry.digests != digests:
             return None
         self._entries.move_to_end(key)
         return entry
@@ -215,3 +220,38 @@ class PrefixCache:
     def blocks_held(self) -> int:
         """Distinct blocks the entries hold (a state-end entry's blocks are a prefix of the schema-end one's)."""
         return len({b for e in self._entries.values() for b in e.blocks})
+
+
+class VisionCache:
+    """Vision-tower outputs by image digest, least recently used evicted past `capacity_bytes`: a repeated
+    image skips the tower."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        from collections import OrderedDict
+
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        rows = self._entries.get(digest)
+        if rows is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(digest)
+        return rows
+
+    def put(self, digest: bytes, rows: torch.Tensor) -> None:
+        size = rows.numel() * rows.element_size()
+        if size > self.capacity_bytes or digest in self._entries:
+            return
+        self._entries[digest] = rows
+        self.bytes += size
+        while self.bytes > self.capacity_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()

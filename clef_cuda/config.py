@@ -37,6 +37,10 @@ class TrunkConfig:
     linear_value_head_dim: int
     linear_conv_kernel_dim: int
     tie_word_embeddings: bool
+    # Interleaved multimodal RoPE: how many rotary frequencies follow the T, H and W position axes
+    # (frequency j follows H if j % 3 == 1 and j < 3 * section[1], W if j % 3 == 2 and j < 3 * section[2],
+    # else T). Text-only tokens have three equal positions: plain 1-D RoPE.
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
 
     @property
     def num_layers(self) -> int:
@@ -77,12 +81,43 @@ class HeadConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower (config.json's vision_config; weights under model.visual.)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    num_position_embeddings: int
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class MediaTokens:
+    """The token ids that frame and stand for an image in a record."""
+
+    image: int
+    video: int
+    vision_start: int
+    vision_end: int
+
+
+@dataclass(frozen=True)
 class ReleaseConfig:
     trunk: TrunkConfig
     head: HeadConfig
     # Where the trunk's tensors live: "model.language_model." (Qwen3_5ForConditionalGeneration, the release
     # layout) or "model." (a text-only Qwen3_5ForCausalLM save).
     weight_prefix: str
+    # The vision tower's config, when config.json has one (whether the release ships its weights is known
+    # only when they load: clef_cuda.weights).
+    vision: VisionConfig | None = None
+    media_tokens: MediaTokens | None = None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -178,11 +213,9 @@ def _trunk_config(text: dict[str, Any], top: dict[str, Any], path: Path, where: 
         raise rf.fail(
             "partial_rotary_factor", f"gives an odd or empty rotary dim ({rotary_dim}) for head_dim {head_dim}"
         )
-    section = rope.get("mrope_section")
-    if section is not None and (
-        not isinstance(section, list) or not all(isinstance(s, int) and s >= 0 for s in section)
-    ):
-        raise rf.fail("mrope_section", f"must be a list of non-negative integers, got {section!r}")
+    section = rope.get("mrope_section", [11, 11, 10])  # transformers' Qwen3.5 default when absent
+    if not isinstance(section, list) or len(section) != 3 or not all(isinstance(s, int) and s >= 0 for s in section):
+        raise rf.fail("mrope_section", f"must be three non-negative integers (T, H, W), got {section!r}")
 
     tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
     return TrunkConfig(
@@ -202,6 +235,7 @@ def _trunk_config(text: dict[str, Any], top: dict[str, Any], path: Path, where: 
         linear_value_head_dim=f.positive_int("linear_value_head_dim"),
         linear_conv_kernel_dim=conv_kernel,
         tie_word_embeddings=bool(tie),
+        mrope_section=tuple(section),
     )
 
 
@@ -222,6 +256,54 @@ def load_trunk_config(path: Path) -> tuple[TrunkConfig, str]:
         f"{path}: field 'model_type' is {model_type!r}; expected 'qwen3_5' (a clef-flash release) or "
         "'qwen3_5_text' (a text-only Qwen3.5 save)"
     )
+
+
+def load_vision_config(path: Path, trunk: TrunkConfig) -> tuple[VisionConfig | None, MediaTokens | None]:
+    """config.json's vision_config and media token ids (a qwen3_5 release), or (None, None)."""
+    data = _read_json(path)
+    vision = data.get("vision_config")
+    if data.get("model_type") != "qwen3_5" or vision is None:
+        return None, None
+    if not isinstance(vision, dict):
+        raise ReleaseError(f"{path}: field 'vision_config' must be an object")
+    f = _Fields(vision, path, "vision_config.")
+    rope = vision.get("rope_parameters") or {}
+    config = VisionConfig(
+        depth=f.positive_int("depth"),
+        hidden_size=f.positive_int("hidden_size"),
+        intermediate_size=f.positive_int("intermediate_size"),
+        num_heads=f.positive_int("num_heads"),
+        out_hidden_size=f.positive_int("out_hidden_size"),
+        patch_size=f.positive_int("patch_size"),
+        spatial_merge_size=f.positive_int("spatial_merge_size"),
+        temporal_patch_size=f.positive_int("temporal_patch_size"),
+        num_position_embeddings=f.positive_int("num_position_embeddings"),
+        in_channels=f.positive_int("in_channels", 3),
+        rope_theta=_Fields(rope, path, "vision_config.rope_parameters.").positive_float("rope_theta", 10000.0),
+    )
+    if config.out_hidden_size != trunk.hidden_size:
+        raise f.fail(
+            "out_hidden_size", f"({config.out_hidden_size}) differs from the trunk's hidden_size ({trunk.hidden_size})"
+        )
+    if config.hidden_size % config.num_heads or (config.hidden_size // config.num_heads) % 4:
+        raise f.fail(
+            "num_heads", f"must divide hidden_size ({config.hidden_size}) into head dims that are multiples of 4"
+        )
+    if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise f.fail("hidden_act", f"must be 'gelu_pytorch_tanh' (Qwen3.5), got {vision.get('hidden_act')!r}")
+    side = int(config.num_position_embeddings**0.5)
+    if side * side != config.num_position_embeddings:
+        raise f.fail(
+            "num_position_embeddings", f"must be a square (a learned grid), got {config.num_position_embeddings}"
+        )
+    top = _Fields(data, path)
+    tokens = MediaTokens(
+        image=top.positive_int("image_token_id"),
+        video=top.positive_int("video_token_id"),
+        vision_start=top.positive_int("vision_start_token_id"),
+        vision_end=top.positive_int("vision_end_token_id"),
+    )
+    return config, tokens
 
 
 def load_head_config(path: Path, trunk: TrunkConfig) -> HeadConfig:
@@ -250,4 +332,5 @@ def load_release_config(model_dir: str | Path) -> ReleaseConfig:
         raise ReleaseError(f"{model_dir}: not a directory (expected a clef-flash release directory)")
     trunk, prefix = load_trunk_config(model_dir / "config.json")
     head = load_head_config(model_dir / "joint_head_config.json", trunk)
-    return ReleaseConfig(trunk=trunk, head=head, weight_prefix=prefix)
+    vision, media_tokens = load_vision_config(model_dir / "config.json", trunk)
+    return ReleaseConfig(trunk=trunk, head=head, weight_prefix=prefix, vision=vision, media_tokens=media_tokens)

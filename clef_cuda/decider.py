@@ -3,6 +3,8 @@
     from clef_cuda import Decider
     decider = Decider.from_release("/mnt/models/clef-flash", device="cuda", dtype=torch.float16)
     response = decider.decide({"model": "clef-flash", "state": "...", "questions": {...}})
+    # images as the reference takes them: data URLs (or {content_type, base64} objects, or plain base64)
+    response = decider.decide({..., "images": ["data:image/png;base64,iVBORw0KGgo..."]})
 
 One record at a time, prefilled in chunks through the trunk's paged/slot caches; the server's engine
 (clef_cuda.engine) batches many records over the same pieces.
@@ -21,7 +23,17 @@ from clef_cuda.cache import TrunkCache
 from clef_cuda.config import ReleaseConfig, load_release_config
 from clef_cuda.encoding import EncodedRecord, Tokenizer, encode_request, validate_request
 from clef_cuda.head import JointSchemaHead, RecordLayout
+from clef_cuda.images import (
+    ImageError,
+    ImageLimits,
+    ImageProcessorConfig,
+    PreparedImage,
+    load_images,
+    load_processor_config,
+    wire_image_bytes,
+)
 from clef_cuda.trunk import ChunkBatch, SequenceChunk, Trunk
+from clef_cuda.vision import VisionTower
 from clef_cuda.weights import load_release_weights
 
 DEFAULT_BLOCK_SIZE = 16
@@ -34,6 +46,8 @@ class DecisionOptions:
     confidence: str = "clef"  # or "typesafe"
     chunk_size: int = 2048  # prefill chunk (tokens per trunk step): bounds activation memory
     client_special_tokens: str = "control"  # or "text": special tokens in client text are plain text
+    image_limits: ImageLimits = ImageLimits()
+    image_max_pixels: int | None = None  # a tighter resize budget than the release's processor (None: its own)
 
 
 class Decider:
@@ -44,6 +58,8 @@ class Decider:
         head: JointSchemaHead,
         tokenizer: Tokenizer,
         options: DecisionOptions = DecisionOptions(),
+        vision: VisionTower | None = None,
+        image_processor: ImageProcessorConfig | None = None,
     ) -> None:
         if options.confidence not in answers.CONFIDENCE_MODES:
             raise ValueError(f"confidence must be one of {answers.CONFIDENCE_MODES}, got {options.confidence!r}")
@@ -55,6 +71,10 @@ class Decider:
                 f"the options say {options.client_special_tokens!r}"
             )
         self.config, self.trunk, self.head, self.tokenizer, self.options = config, trunk, head, tokenizer, options
+        # Images need both the tower's weights and the processor's settings; a release missing either
+        # (clef-tiny has neither) refuses images.
+        self.vision = vision if image_processor is not None else None
+        self.image_processor = image_processor.with_max_pixels(options.image_max_pixels) if image_processor else None
 
     @classmethod
     def from_release(
@@ -78,22 +98,46 @@ class Decider:
         weights = load_release_weights(path, config, device, dtype, head_dtype, progress=progress)
         trunk = Trunk(config.trunk, weights.trunk, dtype, ops=ops)
         head = JointSchemaHead(config.head, weights.head, weights.trunk["lm_head.weight"])
-        return cls(config, trunk, head, tokenizer, decision_options)
+        vision = VisionTower(config.vision, weights.vision, dtype) if weights.vision is not None else None
+        processor = load_processor_config(path) if vision is not None else None
+        return cls(config, trunk, head, tokenizer, decision_options, vision, processor)
 
     @property
     def device(self) -> torch.device:
         return self.trunk.embed.device
 
-    def encode(self, request: dict[str, Any]) -> EncodedRecord:
+    def prepare_images(self, blobs: list[bytes]) -> list[PreparedImage]:
+        """Image bytes -> the tower's inputs (checked, decoded, preprocessed as the release's processor)."""
+        if not blobs:
+            return []
+        if self.vision is None:
+            raise ImageError("this model does not accept images (the release has no vision tower)")
+        return load_images(blobs, self.image_processor, self.options.image_limits)
+
+    def encode(self, request: dict[str, Any], images: list[PreparedImage] = ()) -> EncodedRecord:
         validate_request(request)
         return encode_request(
-            self.tokenizer, request, max_length=self.options.max_length, state_overflow=self.options.state_overflow
+            self.tokenizer,
+            request,
+            max_length=self.options.max_length,
+            state_overflow=self.options.state_overflow,
+            images=images,
+            media_tokens=self.config.media_tokens,
         )
 
+    def image_features(self, images: list[PreparedImage]) -> list[torch.Tensor]:
+        """The tower's output rows per image (serving dtype, on the device)."""
+        return self.vision(images) if images else []
+
     @torch.inference_mode()
-    def probabilities(self, record: EncodedRecord, chunk_sizes: list[int] | None = None) -> list[list[float]]:
+    def probabilities(
+        self,
+        record: EncodedRecord,
+        chunk_sizes: list[int] | None = None,
+        features: list[torch.Tensor] | None = None,
+    ) -> list[list[float]]:
         """Per question, the probability of each option in encoded order. `chunk_sizes` splits the prefill
-        (default: chunks of options.chunk_size)."""
+        (default: chunks of options.chunk_size); `features` are the record's images' tower outputs."""
         n = record.num_tokens
         if chunk_sizes is None:
             step = self.options.chunk_size
@@ -104,9 +148,10 @@ class Decider:
         cache = TrunkCache.allocate(self.config.trunk, 1, blocks, DEFAULT_BLOCK_SIZE, self.device, self.trunk.dtype)
         layout = RecordLayout.from_record(record, self.device)
         inputs = self.head.start(layout, n)
+        positions = record.rope_positions()
         start = 0
         for size in chunk_sizes:
-            chunk = SequenceChunk(list(record.input_ids[start : start + size]), start, 0, list(range(blocks)))
+            chunk = record_chunk(record, start, size, 0, list(range(blocks)), positions, features or [])
             hidden = self.trunk.forward(ChunkBatch.build([chunk], DEFAULT_BLOCK_SIZE, self.device), cache)
             self.head.consume(inputs, layout, hidden)
             start += size
@@ -119,9 +164,10 @@ class Decider:
 
     def decide(self, request: dict[str, Any]) -> dict[str, Any]:
         """A System One request body -> its response body (reference-exact; x_truncated_state_tokens is
-        added when the truncate policy cut the state)."""
-        record = self.encode(request)
-        per_question = self.probabilities(record)
+        added when the truncate policy cut the state). `images` as the reference takes them."""
+        images = self.prepare_images(request_images(request, self.options.image_limits))
+        record = self.encode(request, images)
+        per_question = self.probabilities(record, features=self.image_features(images))
         result = {
             q.question_id: answers.answer(
                 request["questions"][q.question_id], dict(zip(q.option_ids, p, strict=True)), self.options.confidence
@@ -131,3 +177,50 @@ class Decider:
         body = answers.response(request["model"], result, record.num_tokens)
         body.update(record.truncation_fields())
         return body
+
+
+def request_images(request: dict[str, Any], limits: ImageLimits) -> list[bytes]:
+    """The bytes of a request's `images` (the reference's field; Cloudflare and ollama forms). ImageError
+    for a bad entry or any `videos`, naming it."""
+    if request.get("videos"):
+        raise ImageError("video inputs are not supported", loc=("videos",))
+    entries = request.get("images") or []
+    if not isinstance(entries, list):
+        raise ImageError("images must be an array", loc=("images",))
+    if len(entries) > limits.max_images:
+        raise ImageError(f"{len(entries)} images; at most {limits.max_images} per request", loc=("images",))
+    blobs = []
+    for index, entry in enumerate(entries):
+        try:
+            blobs.append(wire_image_bytes(entry, limits))
+        except ImageError as error:
+            raise ImageError(f"image {index + 1}: {error}", error.status, ("images", index)) from error
+    return blobs
+
+
+def record_chunk(
+    record: EncodedRecord,
+    start: int,
+    size: int,
+    slot: int,
+    blocks: list[int],
+    positions: torch.Tensor | None,
+    features: list[torch.Tensor],
+) -> SequenceChunk:
+    """Tokens [start, start + size) of a record as a trunk chunk: their RoPE positions and, where the
+    chunk covers part of an image's tokens, that part of the image's feature rows (a chunk may cut an
+    image anywhere)."""
+    end = start + size
+    overrides = []
+    for span, rows in zip(record.media, features, strict=True):
+        lo, hi = max(start, span.start), min(end, span.end)
+        if lo < hi:
+            overrides.append((lo - start, rows[lo - span.start : hi - span.start]))
+    return SequenceChunk(
+        list(record.input_ids[start:end]),
+        start,
+        slot,
+        blocks,
+        rope_positions=None if positions is None else positions[:, start:end],
+        embedding_overrides=tuple(overrides),
+    )

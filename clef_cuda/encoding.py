@@ -7,11 +7,16 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clef_cuda.errors import ReleaseError, RequestError, RequestTooLongError
+
+if TYPE_CHECKING:
+    from clef_cuda.config import MediaTokens
+    from clef_cuda.images import PreparedImage
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. Each answer must be exactly one of that "
@@ -282,19 +287,66 @@ class EncodedQuestion:
 
 
 @dataclass(frozen=True)
+class MediaSpan:
+    """One image's <|image_pad|> tokens in a record: where its feature rows go."""
+
+    start: int  # index of its first <|image_pad|> token
+    length: int  # tokens = feature rows
+    merged_grid: tuple[int, int]  # (rows, columns) of merged patch blocks, raster order
+    digest: bytes  # content digest (decoded pixels + preprocessing): what the caches key on
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
 class EncodedRecord:
     input_ids: tuple[int, ...]
     questions: tuple[EncodedQuestion, ...]
-    prefix_tokens: int
+    prefix_tokens: int  # the template's prefix and, after it, every image's block
     state_tokens: int  # kept
     dropped_state_tokens: int  # cut by truncation (0 unless the policy is "truncate")
     schema_tokens: int
     suffix_tokens: int
     dropped_state_tokens_exact: bool = True  # False: truncation stopped counting (a lower bound)
+    media: tuple[MediaSpan, ...] = ()
+    media_tokens: int = 0  # every token of the image blocks (framing included)
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    def media_digests(self, end: int) -> tuple[bytes, ...]:
+        """Digests of the images among the first `end` tokens: with the tokens, what a prefix is."""
+        return tuple(m.digest for m in self.media if m.start < end)
+
+    def inside_media(self, position: int) -> bool:
+        """Whether a cut at `position` would fall inside an image's tokens."""
+        return any(m.start < position < m.end for m in self.media)
+
+    def rope_positions(self):
+        """[3, N] int64 (T, H, W) positions, as transformers' get_rope_index: text runs count up on all
+        three axes; image token (r, c) of a merged (lh, lw) grid gets (p, p + r, p + c) with p the next
+        text position, and the text after it continues from p + max(lh, lw). None for a text-only record
+        (then the position is the token index on every axis)."""
+        if not self.media:
+            return None
+        import torch
+
+        positions = torch.arange(self.num_tokens).expand(3, -1).clone()
+        shift = 0  # how far text positions lag token indices after the images so far
+        for span in self.media:
+            rows, cols = span.merged_grid
+            p = span.start - shift
+            grid_r = torch.arange(rows).repeat_interleave(cols)
+            grid_c = torch.arange(cols).repeat(rows)
+            positions[0, span.start : span.end] = p
+            positions[1, span.start : span.end] = p + grid_r
+            positions[2, span.start : span.end] = p + grid_c
+            shift += span.length - max(rows, cols)
+            positions[:, span.end :] -= span.length - max(rows, cols)
+        return positions
 
     def truncation_fields(self) -> dict[str, Any]:
         """The response's extension fields when truncation cut the state (none otherwise)."""
@@ -307,7 +359,12 @@ class EncodedRecord:
 
 
 def encode_request(
-    tokenizer: Tokenizer, request: dict[str, Any], max_length: int = 16384, state_overflow: str = "reject"
+    tokenizer: Tokenizer,
+    request: dict[str, Any],
+    max_length: int = 16384,
+    state_overflow: str = "reject",
+    images: Sequence[PreparedImage] = (),
+    media_tokens: MediaTokens | None = None,
 ) -> EncodedRecord:
     """Encode a validated request. Over max_length: RequestTooLongError with the counts ("reject", the
     default), or the reference's behaviour ("truncate": keep the head of the state, cut its tail).
@@ -315,7 +372,11 @@ def encode_request(
     The work is bounded by the budget, not by the body: a cheap lower bound on the token count refuses
     hopeless records before any tokenisation, and the state is tokenised only until the budget is
     passed (reject) or, beyond what truncation keeps, for at most one more budget's worth (truncate:
-    x_truncated_state_tokens is then a lower bound, flagged by dropped_state_tokens_exact)."""
+    x_truncated_state_tokens is then a lower bound, flagged by dropped_state_tokens_exact).
+
+    `images` (prepared, in request order) go right after the template's prefix, as the reference places
+    them: <|vision_start|> <|image_pad|> x tokens <|vision_end|> per image, then one newline; their tokens
+    count toward the budget (`media_tokens`: the release's ids for them)."""
     if state_overflow not in STATE_OVERFLOW_POLICIES:
         raise ValueError(f"state_overflow must be one of {STATE_OVERFLOW_POLICIES}, got {state_overflow!r}")
     # Every segment is tokenised on its own: the span of a segment is exactly its tokens.
@@ -338,6 +399,20 @@ def encode_request(
         segments.append(FIELD_END)
         layout.append((str(question_id), question["type"], len(options), options))
     prefix, suffix = tokenizer.encode(PREFIX), tokenizer.encode(SUFFIX)  # the template: control tokens
+    media: list[MediaSpan] = []
+    if images:
+        if media_tokens is None:
+            raise ValueError("images need the release's media token ids")
+        block: list[int] = []
+        for image in images:
+            block.append(media_tokens.vision_start)
+            media.append(MediaSpan(len(prefix) + len(block), image.num_tokens, image.merged_grid, image.digest))
+            block += [media_tokens.image] * image.num_tokens + [media_tokens.vision_end]
+        block += tokenizer.encode("\n")
+        media_count = len(block)
+        prefix = prefix + block
+    else:
+        media_count = 0
 
     def too_long(needed: int, state_tokens: int, fixed_tokens: int, at_least: bool) -> RequestTooLongError:
         more = "at least " if at_least else ""
@@ -356,6 +431,8 @@ def encode_request(
             fixed_bound + tokenizer.min_tokens(state_text), tokenizer.min_tokens(state_text), fixed_bound, True
         )
     ids = tokenizer.encode_many(segments)
+    if images:
+        _refuse_literal_media_tokens(ids, media_tokens)
 
     schema: list[int] = list(ids[0])
     cursor = 1
@@ -388,6 +465,8 @@ def encode_request(
         if budget < 0:
             raise too_long(fixed + tokenizer.min_tokens(state_text), tokenizer.min_tokens(state_text), fixed, True)
         state, complete = tokenizer.encode_bounded(state_text, budget + max_length)
+    if images:
+        _refuse_literal_media_tokens([state], media_tokens, ("state",))
     kept = state[:budget]
     offset = len(prefix) + len(kept)
     questions = tuple(
@@ -410,4 +489,18 @@ def encode_request(
         schema_tokens=len(schema),
         suffix_tokens=len(suffix),
         dropped_state_tokens_exact=complete,
+        media=tuple(media),
+        media_tokens=media_count,
     )
+
+
+def _refuse_literal_media_tokens(segments: list[list[int]], tokens: MediaTokens, loc: tuple = ("questions",)) -> None:
+    """An image request whose own text holds <|image_pad|> or <|video_pad|> (as control tokens): the
+    features would land on them. The reference raises; so do we, as a 422."""
+    pads = {tokens.image, tokens.video}
+    if any(pads.intersection(ids) for ids in segments):
+        raise RequestError(
+            "the text contains <|image_pad|> or <|video_pad|>, which an image request cannot hold "
+            "(serve with --client-special-tokens text to take them as plain text)",
+            loc,
+        )

@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 from clef_cuda import answers
-from clef_cuda.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, TrunkCache
-from clef_cuda.decider import Decider
+from clef_cuda.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, TrunkCache, VisionCache
+from clef_cuda.decider import Decider, record_chunk, request_images
 from clef_cuda.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.errors import ClefError, RequestTooLongError
 from clef_cuda.head import HeadInputs, RecordLayout
-from clef_cuda.trunk import ChunkBatch, SequenceChunk
+from clef_cuda.images import PreparedImage
+from clef_cuda.trunk import ChunkBatch
 
 log = logging.getLogger("clef_cuda.engine")
 
@@ -69,6 +70,7 @@ class EngineConfig:
     # planned only when it saves at least this many tokens over the previous one; shorter prefixes are
     # cheaper to recompute.
     min_snapshot_tokens: int = 256
+    vision_cache_bytes: int = 256 * 2**20  # vision-tower outputs kept by image digest
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Ticket:
     id: int
     future: concurrent.futures.Future
     record: EncodedRecord
+    images: list[PreparedImage] = field(default_factory=list)  # the record's images, prepared (request order)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -94,6 +97,8 @@ class _Sequence:
     reuse_points: list[int]  # block-aligned positions where a snapshot is taken (ascending, > position)
     cached_tokens: int
     started: float
+    rope_positions: torch.Tensor | None = None  # [3, N] (None: text only)
+    features: list[torch.Tensor | None] = field(default_factory=list)  # per image (None: its tokens are cached)
 
     @property
     def record(self) -> EncodedRecord:
@@ -170,6 +175,7 @@ class Engine:
         self.blocks = BlockPool(self.plan.num_blocks)
         self.prefix_cache = PrefixCache()
         self.prefix_cache_bytes = 0
+        self.vision_cache = VisionCache(config.vision_cache_bytes)
         log.info(self.plan.describe(config.block_size, config.max_model_len))
 
         self._lock = threading.Condition()
@@ -185,12 +191,24 @@ class Engine:
         self.completed = 0
         self.failed = 0
         self.steps = 0
+        self.images = 0  # images of admitted records
+        self.image_tokens = 0
+        self.vision_seconds = 0.0  # time in the vision tower
 
     # ---- submission (any thread) ------------------------------------------------------------------
-    def encode(self, request: dict[str, Any]) -> EncodedRecord:
-        """Validate and encode (RequestError / RequestTooLongError); also checks the record can ever fit."""
+    def encode(self, request: dict[str, Any], images: list[bytes] = ()) -> tuple[EncodedRecord, list[PreparedImage]]:
+        """Validate, prepare the images (decode, preprocess: on the caller's thread, not the scheduler's) and
+        encode: RequestError / ImageError / RequestTooLongError; also checks the record can ever fit."""
         validate_request(request)
-        record = encode_request(self.decider.tokenizer, request, self.config.max_model_len, self.config.state_overflow)
+        prepared = self.decider.prepare_images(list(images))
+        record = encode_request(
+            self.decider.tokenizer,
+            request,
+            self.config.max_model_len,
+            self.config.state_overflow,
+            images=prepared,
+            media_tokens=self.decider.config.media_tokens,
+        )
         needed = -(-record.num_tokens // self.config.block_size)
         if needed > self.plan.num_blocks:
             raise RequestTooLongError(
@@ -200,11 +218,14 @@ class Engine:
                 max_tokens=self.plan.num_blocks * self.config.block_size,
                 fixed_tokens=record.num_tokens - record.state_tokens,
             )
-        return record
+        return record, prepared
 
-    def submit(self, request: dict[str, Any], record: EncodedRecord | None = None) -> Ticket:
-        record = record or self.encode(request)
-        ticket = Ticket(next(self._ids), concurrent.futures.Future(), record)
+    def submit(
+        self, request: dict[str, Any], record: EncodedRecord | None = None, images: list[PreparedImage] = ()
+    ) -> Ticket:
+        if record is None:
+            record, images = self.encode(request, request_images(request, self.decider.options.image_limits))
+        ticket = Ticket(next(self._ids), concurrent.futures.Future(), record, list(images))
         with self._lock:
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down")
@@ -300,6 +321,8 @@ class Engine:
         points, previous = [], 0
         for end in (record.prefix_tokens + record.state_tokens, record.num_tokens - record.suffix_tokens):
             point = end // bs * bs
+            if record.inside_media(point):  # an image's tokens are restored whole or not at all
+                continue
             if point - previous >= self.config.min_snapshot_tokens and point < record.num_tokens:
                 points.append(point)
                 previous = point
@@ -307,15 +330,15 @@ class Engine:
 
     def _lookup(self, record: EncodedRecord, layout_spans: list[tuple[int, int]]) -> tuple[PrefixEntry | None, bytes]:
         for point in reversed(self._reuse_points(record)):
-            tokens = record.input_ids[:point]
-            key = PrefixCache.key(tokens)
-            entry = self.prefix_cache.get(key, tokens)
+            tokens, digests = record.input_ids[:point], record.media_digests(point)
+            key = PrefixCache.key(tokens, digests)
+            entry = self.prefix_cache.get(key, tokens, digests)
             if entry is not None and all((s, min(e, point)) in entry.span_sums for s, e in layout_spans if s < point):
                 return entry, key
         return None, b""
 
     def _cached(self, record: EncodedRecord, point: int) -> bool:
-        return PrefixCache.key(record.input_ids[:point]) in self.prefix_cache
+        return PrefixCache.key(record.input_ids[:point], record.media_digests(point)) in self.prefix_cache
 
     def _evict_for(self, blocks_needed: int) -> bool:
         while self.blocks.available < blocks_needed:
@@ -333,6 +356,13 @@ class Engine:
         return True
 
     def _admit(self) -> None:
+        admitted: list[_Sequence] = []
+        try:
+            self._admit_into(admitted)
+        finally:  # the tower runs once for every image the newly admitted records still need
+            self._attach_features(admitted)
+
+    def _admit_into(self, admitted: list[_Sequence]) -> None:
         while len(self._running) < self.config.max_num_seqs:
             with self._lock:
                 if not self._queue:
@@ -365,20 +395,46 @@ class Engine:
                 self._restore(entry, slot[0], inputs, layout, spans)
             elif self._reuse_points(record):
                 self.prefix_cache.misses += 1
-            self._running.append(
-                _Sequence(
-                    ticket=ticket,
-                    request=request,
-                    layout=layout,
-                    inputs=inputs,
-                    slot=slot[0],
-                    blocks=(entry.blocks if entry is not None else []) + new_blocks,
-                    position=reused,
-                    reuse_points=[p for p in self._reuse_points(record) if p > reused and not self._cached(record, p)],
-                    cached_tokens=reused,
-                    started=time.perf_counter(),
-                )
+            seq = _Sequence(
+                ticket=ticket,
+                request=request,
+                layout=layout,
+                inputs=inputs,
+                slot=slot[0],
+                blocks=(entry.blocks if entry is not None else []) + new_blocks,
+                position=reused,
+                reuse_points=[p for p in self._reuse_points(record) if p > reused and not self._cached(record, p)],
+                cached_tokens=reused,
+                started=time.perf_counter(),
+                rope_positions=record.rope_positions(),
             )
+            self._running.append(seq)
+            admitted.append(seq)
+
+    def _attach_features(self, admitted: list[_Sequence]) -> None:
+        """Tower outputs for the images whose tokens the admitted records will prefill: from the vision
+        cache, else one tower call for all of them (each distinct image once)."""
+        features: dict[bytes, torch.Tensor] = {}
+        needed: dict[bytes, PreparedImage] = {}
+        for seq in admitted:
+            self.images += len(seq.ticket.images)
+            self.image_tokens += sum(span.length for span in seq.record.media)
+            for span, image in zip(seq.record.media, seq.ticket.images, strict=True):
+                if span.end <= seq.position or span.digest in features or span.digest in needed:
+                    continue  # restored from the prefix cache, or already found
+                rows = self.vision_cache.get(span.digest)
+                if rows is None:
+                    needed[span.digest] = image
+                else:
+                    features[span.digest] = rows
+        if needed:
+            started = time.perf_counter()
+            for digest, rows in zip(needed, self.decider.image_features(list(needed.values())), strict=True):
+                self.vision_cache.put(digest, rows)
+                features[digest] = rows
+            self.vision_seconds += time.perf_counter() - started
+        for seq in admitted:
+            seq.features = [None if span.end <= seq.position else features[span.digest] for span in seq.record.media]
 
     def _restore(self, entry: PrefixEntry, slot: int, inputs: HeadInputs, layout: RecordLayout, spans) -> None:
         cache = self.cache
@@ -391,8 +447,8 @@ class Engine:
         inputs.filled = entry.length
 
     def _snapshot(self, seq: _Sequence, point: int) -> None:
-        tokens = seq.record.input_ids[:point]
-        key = PrefixCache.key(tokens)
+        tokens, digests = seq.record.input_ids[:point], seq.record.media_digests(point)
+        key = PrefixCache.key(tokens, digests)
         if key in self.prefix_cache:
             return
         memory = seq.inputs.memory[:point].clone()
@@ -415,7 +471,7 @@ class Engine:
         self.cache.gdr_states[:, snap].copy_(self.cache.gdr_states[:, seq.slot])
         blocks = seq.blocks[: point // self.config.block_size]
         self.blocks.share(blocks)
-        self.prefix_cache.put(key, PrefixEntry(tokens, blocks, snap, memory, span_sums, size))
+        self.prefix_cache.put(key, PrefixEntry(tokens, digests, blocks, snap, memory, span_sums, size))
         self.prefix_cache_bytes += size
 
     @torch.inference_mode()
@@ -426,8 +482,9 @@ class Engine:
             if seq.reuse_points:
                 limit = min(limit, seq.reuse_points[0])
             size = min(self.config.prefill_chunk_size, limit - seq.position)
-            ids = list(seq.record.input_ids[seq.position : seq.position + size])
-            chunks.append(SequenceChunk(ids, seq.position, seq.slot, seq.blocks))
+            chunks.append(
+                record_chunk(seq.record, seq.position, size, seq.slot, seq.blocks, seq.rope_positions, seq.features)
+            )
             packed.append((seq, size))
         batch = ChunkBatch.build(chunks, self.config.block_size, self.decider.device)
         hidden = self.decider.trunk.forward(batch, self.cache)

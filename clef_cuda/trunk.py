@@ -30,9 +30,13 @@ class SequenceChunk:
     """Host-side description of one sequence's part of a chunk."""
 
     token_ids: list[int]
-    start: int  # position of token_ids[0] in the sequence
+    start: int  # index of token_ids[0] in the sequence (its KV slot; not necessarily its RoPE position)
     state_slot: int  # delta-net state slot
     block_ids: list[int]  # KV blocks of the sequence, covering positions [0, start + len(token_ids))
+    # [3, n] int64 RoPE positions (T, H, W) of the chunk's tokens; None: start + i on every axis (text)
+    rope_positions: Tensor | None = None
+    # (offset in the chunk, rows [k, hidden]): embeddings that replace the tokens' (image features)
+    embedding_overrides: tuple[tuple[int, Tensor], ...] = ()
 
 
 @dataclass
@@ -40,25 +44,34 @@ class ChunkBatch:
     """Device tensors for one trunk step over B sequences with N new tokens in total."""
 
     input_ids: Tensor  # [N] int64
-    positions: Tensor  # [N] int64, absolute positions
+    positions: Tensor  # [3, N] int64 RoPE positions (T, H, W; equal for text)
     cu_seqlens: Tensor  # [B+1] int32
     state_slots: Tensor  # [B] int32
     has_initial_state: Tensor  # [B] bool: the slot holds the state after `start` tokens
     slot_mapping: Tensor  # [N] int32: KV cache slot of each new token
     block_tables: Tensor  # [B, max_blocks] int32
     context_lens: Tensor  # [B] int32: keys each sequence attends after this chunk is written
+    override_rows: Tensor | None = None  # [M] int64 rows of the chunk whose embedding is replaced
+    override_values: Tensor | None = None  # [M, hidden]
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], block_size: int, device) -> ChunkBatch:
         ids, positions, slot_mapping, cu = [], [], [], [0]
+        override_rows, override_values = [], []
         for c in chunks:
             n = len(c.token_ids)
             if len(c.block_ids) * block_size < c.start + n:
                 raise ValueError(f"{len(c.block_ids)} blocks cannot hold {c.start + n} tokens")
             ids += c.token_ids
             span = range(c.start, c.start + n)
-            positions += span
+            if c.rope_positions is None:
+                positions.append(torch.arange(c.start, c.start + n).expand(3, n))
+            else:
+                positions.append(c.rope_positions)
             slot_mapping += [c.block_ids[p // block_size] * block_size + p % block_size for p in span]
+            for offset, rows in c.embedding_overrides:
+                override_rows.append(torch.arange(cu[-1] + offset, cu[-1] + offset + rows.shape[0]))
+                override_values.append(rows)
             cu.append(cu[-1] + n)
         max_blocks = max(1, max(len(c.block_ids) for c in chunks))
         tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
@@ -68,13 +81,15 @@ class ChunkBatch:
 
         return cls(
             input_ids=tensor(ids, torch.int64),
-            positions=tensor(positions, torch.int64),
+            positions=torch.cat(positions, dim=1).to(device, torch.int64, non_blocking=True),
             cu_seqlens=tensor(cu, torch.int32),
             state_slots=tensor([c.state_slot for c in chunks], torch.int32),
             has_initial_state=tensor([c.start > 0 for c in chunks], torch.bool),
             slot_mapping=tensor(slot_mapping, torch.int32),
             block_tables=tensor(tables, torch.int32),
             context_lens=tensor([c.start + len(c.token_ids) for c in chunks], torch.int32),
+            override_rows=torch.cat(override_rows).to(device, non_blocking=True) if override_rows else None,
+            override_values=torch.cat([v.to(device) for v in override_values]) if override_values else None,
         )
 
 
@@ -112,6 +127,16 @@ def rms_norm(x: Tensor, scale: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
 
 
+def rope_axes(rotary_dim: int, mrope_section: tuple[int, int, int]) -> Tensor:
+    """The position axis (0 T, 1 H, 2 W) each rotary frequency follows: Qwen3.5's interleaved M-RoPE,
+    as transformers recomposes it (frequency j: H if j % 3 == 1 and j < 3 * section[1], W if j % 3 == 2
+    and j < 3 * section[2], else T)."""
+    axes = torch.zeros(rotary_dim // 2, dtype=torch.int64)
+    for axis, offset in ((1, 1), (2, 2)):
+        axes[offset : 3 * mrope_section[axis] : 3] = axis
+    return axes
+
+
 def rotate_half(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
     """NeoX rotate-half RoPE on the first rotary_dim dims of each head's last axis (cos/sin broadcast to
     x's leading axes, rotary_dim / 2 wide); the rest of the head passes through. Also used by training/."""
@@ -135,6 +160,7 @@ class Trunk:
         self.inv_freq = 1.0 / (
             config.rope_theta ** (torch.arange(0, half, dtype=torch.float32, device=device) * 2 / config.rotary_dim)
         )
+        self.rope_axis = rope_axes(config.rotary_dim, config.mrope_section).to(device)  # [half]: T 0, H 1, W 2
         self.layers = [self._layer(weights, i, kind) for i, kind in enumerate(config.layer_types)]
         # Layer i's index among the layers of its kind: where its state slots or KV blocks sit in a TrunkCache.
         self.cache_index = [
@@ -185,6 +211,8 @@ class Trunk:
         """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place."""
         eps = self.config.rms_norm_eps
         x = self.embed[batch.input_ids].float()  # the residual stream stays fp32
+        if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens
+            x[batch.override_rows] = batch.override_values.float()
         rope = self._rope(batch.positions)
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_scale, eps).to(self.dtype)
@@ -254,7 +282,8 @@ class Trunk:
         return F.linear(gated.reshape(n, c.value_dim).to(self.dtype), w.out_proj).float()
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [N, rotary/2]
+        """positions [3, N] -> cos, sin [N, 1, rotary/2]: frequency j turns with the position on its axis."""
+        freqs = positions[self.rope_axis].t().float() * self.inv_freq[None, :]  # [N, rotary/2]
         return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
 """Release directory -> tensors on the serving device.
 
-Reads only safetensors (never Python from the model directory): the trunk from model.safetensors or the
-shards listed in model.safetensors.index.json, the head from joint_head.safetensors. Tensors stream one
+Reads only safetensors (never Python from the model directory): the trunk (and, when config.json has a
+vision_config, the vision tower under model.visual.) from model.safetensors or the shards listed in
+model.safetensors.index.json, the head from joint_head.safetensors. Tensors stream one
 at a time from the memory-mapped files, are converted (bf16 -> the serving dtype; norms, decay
 parameters and conv weights to fp32) and moved to the device, so host memory stays near one shard and
 the model is never held twice. Every missing, unexpected or mis-shaped tensor fails naming tensor and file.
@@ -17,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from clef_cuda.config import FULL_ATTENTION, HeadConfig, ReleaseConfig, TrunkConfig
+from clef_cuda.config import FULL_ATTENTION, HeadConfig, ReleaseConfig, TrunkConfig, VisionConfig
 from clef_cuda.errors import ReleaseError
 
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+SKIPPED_PREFIXES = ("mtp.", "model.mtp.")
+VISION_PREFIX = "model.visual."  # read when config.json has a vision_config, else skipped
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 HEAD_FILE = "joint_head.safetensors"
@@ -30,10 +32,17 @@ HEAD_FILE = "joint_head.safetensors"
 FP32_SUFFIXES = ("layernorm.weight", "norm.weight", "A_log", "dt_bias", "conv1d.weight")
 
 
+# The vision tower's LayerNorm gains and biases stay fp32 too (its residual stream is fp32).
+VISION_FP32_SUFFIXES = ("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "norm.weight", "norm.bias")
+
+
 @dataclass
 class ReleaseWeights:
     trunk: dict[str, torch.Tensor]  # names relative to the text model ("layers.0.mlp.up_proj.weight"), plus lm_head
     head: dict[str, torch.Tensor]  # joint_head.safetensors names
+    # names under model.visual.; None when the release has no vision tower (no vision_config, or none of
+    # its tensors: a text-only release)
+    vision: dict[str, torch.Tensor] | None = None
 
 
 def trunk_shapes(config: TrunkConfig) -> dict[str, tuple[int, ...]]:
@@ -126,6 +135,40 @@ def head_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def vision_shapes(config: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Every vision-tower tensor (names under model.visual.) with its shape."""
+    h, i, c = config.hidden_size, config.intermediate_size, config.in_channels
+    t, p, merged = config.temporal_patch_size, config.patch_size, config.hidden_size * config.spatial_merge_size**2
+    shapes: dict[str, tuple[int, ...]] = {
+        "patch_embed.proj.weight": (h, c, t, p, p),
+        "patch_embed.proj.bias": (h,),
+        "pos_embed.weight": (config.num_position_embeddings, h),
+        "merger.norm.weight": (h,),
+        "merger.norm.bias": (h,),
+        "merger.linear_fc1.weight": (merged, merged),
+        "merger.linear_fc1.bias": (merged,),
+        "merger.linear_fc2.weight": (config.out_hidden_size, merged),
+        "merger.linear_fc2.bias": (config.out_hidden_size,),
+    }
+    for b in range(config.depth):
+        q = f"blocks.{b}."
+        shapes |= {
+            q + "norm1.weight": (h,),
+            q + "norm1.bias": (h,),
+            q + "norm2.weight": (h,),
+            q + "norm2.bias": (h,),
+            q + "attn.qkv.weight": (3 * h, h),
+            q + "attn.qkv.bias": (3 * h,),
+            q + "attn.proj.weight": (h, h),
+            q + "attn.proj.bias": (h,),
+            q + "mlp.linear_fc1.weight": (i, h),
+            q + "mlp.linear_fc1.bias": (i,),
+            q + "mlp.linear_fc2.weight": (h, i),
+            q + "mlp.linear_fc2.bias": (h,),
+        }
+    return shapes
+
+
 def trunk_files(model_dir: Path) -> dict[str, list[str]]:
     """file name -> the tensor names the index says it holds ([] for a single model.safetensors: all)."""
     index = model_dir / INDEX_FILE
@@ -205,6 +248,8 @@ def load_release_weights(
 
     model_dir = Path(model_dir)
     expected_trunk = trunk_shapes(config.trunk)
+    expected_vision = vision_shapes(config.vision) if config.vision is not None else {}
+    vision: dict[str, torch.Tensor] = {}
     expected_head = head_shapes(config.head)
     files = trunk_files(model_dir)
     head_path = model_dir / HEAD_FILE
@@ -213,7 +258,7 @@ def load_release_weights(
     trunk: dict[str, torch.Tensor] = {}
     head: dict[str, torch.Tensor] = {}
     bar = tqdm(
-        total=len(expected_trunk) + len(expected_head),
+        total=len(expected_trunk) + len(expected_head) + len(expected_vision),
         desc=f"loading {model_dir.name or model_dir}",
         unit="tensor",
         disable=not progress,
@@ -224,7 +269,16 @@ def load_release_weights(
         for file, names in sorted(files.items()):
             path = model_dir / file
             for name, tensor in _tensors(path, names):
-                if name.startswith(SKIPPED_PREFIXES):
+                if name.startswith(SKIPPED_PREFIXES) or (name.startswith(VISION_PREFIX) and not expected_vision):
+                    continue
+                if name.startswith(VISION_PREFIX):
+                    key = name[len(VISION_PREFIX) :]
+                    if key not in expected_vision:
+                        raise ReleaseError(
+                            f"{path}: unexpected tensor {name} (not part of the configured vision tower)"
+                        )
+                    target = torch.float32 if key.endswith(VISION_FP32_SUFFIXES) else dtype
+                    vision[key] = _place(name, tensor, expected_vision[key], target, device, path)
                     continue
                 key = name[len(prefix) :] if name.startswith(prefix) else name
                 if key not in expected_trunk or (key == name and name != "lm_head.weight"):
@@ -239,11 +293,20 @@ def load_release_weights(
                 raise ReleaseError(f"{head_path}: unexpected tensor {name} (not part of the configured head)")
             head[name] = _place(name, tensor, expected_head[name], head_dtype, device, head_path)
             bar.update(1)
-    for where, expected, got in ((model_dir, expected_trunk, trunk), (head_path, expected_head, head)):
+    checked = [(model_dir, expected_trunk, trunk), (head_path, expected_head, head)]
+    if vision:  # some of the tower's tensors are there: then all of them must be
+        checked.append(
+            (
+                model_dir,
+                {VISION_PREFIX + k: v for k, v in expected_vision.items()},
+                {VISION_PREFIX + k: v for k, v in vision.items()},
+            )
+        )
+    for where, expected, got in checked:
         missing = [n for n in expected if n not in got]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ReleaseError(f"{where}: missing tensor {missing[0]}{more}")
     if config.trunk.tie_word_embeddings:
         trunk["lm_head.weight"] = trunk["embed_tokens.weight"]
-    return ReleaseWeights(trunk=trunk, head=head)
+    return ReleaseWeights(trunk=trunk, head=head, vision=vision or None)

@@ -80,6 +80,7 @@ def build_release(
     vocab_size: int = 700,
     seed: int = 0,
     max_shard_size: str | None = "300KB",
+    vision: dict | None = None,
 ) -> Path:
     from clef_finetune.jsm import load_jsm
     from safetensors.torch import save_file
@@ -102,15 +103,18 @@ def build_release(
         pad_token_id=ids("<|endoftext|>"),
     )
     vision = dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
+        dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+        ),
+        **(vision or {}),
         out_hidden_size=text["hidden_size"],
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=64,
     )
     config = Qwen3_5Config(
         text_config=text_config,
@@ -156,6 +160,21 @@ def tiny_release() -> Path:
 def mid_release() -> Path:
     """Our second release: other shapes, a BPE tokenizer, sharded safetensors."""
     return build_release(Path(tempfile.mkdtemp(prefix="clef-mid-")) / "release")
+
+
+# head_dim 64 with Qwen3.5's default M-RoPE sections: 8 rotary frequencies, so every one of the T, H and W
+# axes turns some of them (the upstream tiny release's 2 never see W).
+VISION_TEXT = dict(
+    MID_TEXT,
+    head_dim=64,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
+)
+
+
+@functools.cache
+def vision_release() -> Path:
+    """A release whose positions reach the W axis: image rows and columns both matter."""
+    return build_release(Path(tempfile.mkdtemp(prefix="clef-vision-")) / "release", text=VISION_TEXT, seed=1)
 
 
 @functools.cache

@@ -178,3 +178,62 @@ def test_python_in_the_model_directory_is_never_run(tmp_path):
 def test_not_a_directory(tmp_path):
     with pytest.raises(ReleaseError, match="not a directory"):
         Decider.from_release(tmp_path / "nope", device="cpu", progress=False)
+
+
+# ---- the vision tower -----------------------------------------------------------------------------
+def test_the_vision_tower_loads_with_its_config_and_fp32_norms():
+    decider = Decider.from_release(tiny_release(), device="cpu", dtype=torch.float16, progress=False)
+    assert decider.vision is not None and decider.image_processor is not None
+    assert (
+        decider.vision.blocks[0].norm1[0].dtype == torch.float32 and decider.vision.patch_weight.dtype == torch.float16
+    )
+
+
+def test_vision_config_without_visual_weights_is_a_text_release(tmp_path):
+    release = copy_release(tiny_release(), tmp_path)
+    _rewrite(
+        release / "model.safetensors", lambda t: [t.pop(k) for k in [k for k in t if k.startswith("model.visual.")]]
+    )
+    decider = Decider.from_release(release, device="cpu", progress=False)
+    assert decider.vision is None
+    from clef_cuda.images import ImageError
+
+    with pytest.raises(ImageError, match="does not accept images"):
+        decider.prepare_images([b"\x89PNG\r\n\x1a\n"])
+
+
+def test_a_partial_vision_tower_names_the_missing_tensor(tmp_path):
+    release = copy_release(tiny_release(), tmp_path)
+    _rewrite(release / "model.safetensors", lambda t: t.pop("model.visual.blocks.0.attn.qkv.bias"))
+    with pytest.raises(ReleaseError, match="missing tensor model.visual.blocks.0.attn.qkv.bias"):
+        Decider.from_release(release, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda c: c["vision_config"].update(out_hidden_size=65), "vision_config.out_hidden_size"),
+        (lambda c: c["vision_config"].update(num_position_embeddings=60), "must be a square"),
+        (lambda c: c.pop("image_token_id"), "image_token_id"),
+        (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[1, 2]), "mrope_section"),
+    ],
+)
+def test_bad_vision_config_names_the_field(tmp_path, change, words):
+    release = copy_release(tiny_release(), tmp_path)
+    edit_json(release / "config.json", change)
+    with pytest.raises(ReleaseError, match=words):
+        load_release_config(release)
+
+
+def test_the_processor_config_is_read_not_assumed(tmp_path):
+    from clef_cuda.images import load_processor_config
+
+    release = copy_release(tiny_release(), tmp_path)
+    edit_json(release / "processor_config.json", lambda c: c["image_processor"].update(resample=1))
+    with pytest.raises(ReleaseError, match="resample"):
+        load_processor_config(release)
+    edit_json(
+        release / "processor_config.json",
+        lambda c: c["image_processor"].update(resample=3, size={"longest_edge": 50000, "shortest_edge": 1000}),
+    )
+    assert load_processor_config(release).max_pixels == 50000
