@@ -17,6 +17,8 @@ ARG UBUNTU_VERSION=22.04
 # ---- build: compile clef_cuda._C against the CUDA toolkit and torch ---------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build
 ARG TORCH_VERSION=2.7.1
+# The torchvision built for that torch (images are decoded and resized with it), from the same index.
+ARG TORCHVISION_VERSION=0.22.1
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
 ARG TORCH_CUDA_ARCH_LIST=7.0
 ARG MAX_JOBS=8
@@ -27,7 +29,7 @@ RUN apt-get update \
 RUN python3 -m venv /opt/clef
 ENV PATH=/opt/clef/bin:$PATH CUDA_HOME=/usr/local/cuda
 RUN pip install --no-cache-dir --upgrade pip setuptools wheel ninja \
- && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
+ && pip install --no-cache-dir "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" --index-url "${TORCH_INDEX_URL}" \
  && python -c "import torch, os; flags = torch._C._cuda_getArchFlags(); archs = os.environ['TORCH_CUDA_ARCH_LIST'].replace('.', '').split(';'); missing = [a for a in archs if 'sm_' + a.removesuffix('+PTX') not in flags]; assert not missing, f'torch lacks sm_{missing}: {flags}'"
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./

@@ -115,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="request bodies nested deeper are refused (422) before they are parsed",
     )
+    p.add_argument("--max-images", type=_positive_int, default=4, help="images per request (4 MiB each, 8 MiB in all)")
+    p.add_argument(
+        "--image-max-pixels",
+        type=_positive_int,
+        default=None,
+        help="resize budget per image (default: the release's processor; 1048576 sizes images as Cloudflare's "
+        "hosted service does, at most 1024 tokens each)",
+    )
+    p.add_argument(
+        "--vision-cache-mib",
+        type=_positive_int,
+        default=256,
+        help="device memory for vision-tower outputs kept by image digest (a repeated image skips the tower)",
+    )
     p.add_argument(
         "--client-special-tokens",
         choices=CLIENT_SPECIAL_TOKENS,
@@ -152,6 +166,7 @@ def make_decider(args):
     import torch
 
     from clef_cuda import Decider
+    from clef_cuda.images import ImageLimits
 
     device = resolve_device(args.device)
     dtype = getattr(torch, DTYPES[args.dtype or ("f16" if device.type == "cuda" else "f32")])
@@ -163,6 +178,8 @@ def make_decider(args):
         state_overflow=args.state_overflow,
         confidence=args.confidence,
         client_special_tokens=args.client_special_tokens,
+        image_limits=ImageLimits(max_images=args.max_images),
+        image_max_pixels=args.image_max_pixels,
         progress=args.log_format == "text",  # a progress bar is not a JSON line
     )
 
@@ -182,6 +199,7 @@ def make_engine(args):
         max_queue=args.max_queue,
         state_overflow=args.state_overflow,
         confidence=args.confidence,
+        vision_cache_bytes=args.vision_cache_mib * 2**20,
     )
     return Engine(decider, config)
 

@@ -47,6 +47,13 @@ class Metrics:
             "clef_prefix_cache_blocks", "KV blocks held by prefix-cache entries (one snapshot slot each)", registry=r
         )
         self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed up and taking requests", registry=r)
+        self.images = Gauge("clef_images", "Images of admitted records (counted once per record)", registry=r)
+        self.image_tokens = Gauge("clef_image_tokens", "Image tokens of admitted records", registry=r)
+        self.vision_seconds = Gauge("clef_vision_seconds", "Time spent in the vision tower", registry=r)
+        self.vision_cache_hits = Gauge(
+            "clef_vision_cache_hits", "Images whose tower output came from the cache", registry=r
+        )
+        self.vision_cache_misses = Gauge("clef_vision_cache_misses", "Images that went through the tower", registry=r)
         self._selfcheck: tuple[Gauge, Gauge, Gauge, Gauge] | None = None  # made by observe_selfcheck
 
     def observe_selfcheck(self, report) -> None:
@@ -93,6 +100,11 @@ class Metrics:
         self.prefix_evictions.set(cache.evictions)
         self.prefix_entries.set(len(cache))
         self.prefix_blocks.set(cache.blocks_held)
+        self.images.set(engine.images)
+        self.image_tokens.set(engine.image_tokens)
+        self.vision_seconds.set(engine.vision_seconds)
+        self.vision_cache_hits.set(engine.vision_cache.hits)
+        self.vision_cache_misses.set(engine.vision_cache.misses)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -50,12 +50,35 @@ class ScoreQuestion(_Question):
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
 
 
+class ImageObject(BaseModel):
+    """Cloudflare's object form of an image."""
+
+    content_type: str
+    base64: str
+
+
+class ImageAsset(BaseModel):
+    """A TypeSafe asset: inline (data_base64) or, in a multipart body, the name of its part."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["image"]
+    format: str | None = None
+    data_base64: str | None = None
+    part: str | None = None
+
+
 class SystemOneRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown top-level fields are ignored
 
     model: str
     state: str | dict[str, Any] | list[Any]
     questions: dict[QuestionId, Question] = Field(min_length=1, max_length=64)
+    # Images (app/media.py): data URLs, {content_type, base64} objects or plain base64 (Cloudflare, ollama)...
+    images: list[str | ImageObject] | None = None
+    # ... or TypeSafe assets, referenced by placeholders in the text. Videos are refused (a 422).
+    assets: dict[str, ImageAsset] | None = None
+    videos: list[Any] | None = None
 
 
 # Question types of TypeSafe's schema that clef has no head for: a 422 saying so (not a generic tag error).

@@ -27,10 +27,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.intake import ClientError, InvalidBody, decompress, parse_json, read_body
 from app.logs import log_decision, request_id_of
+from app.media import collect_images, parse_multipart
 from app.metrics import Metrics
 from app.schemas import SystemOneRequest, unsupported_question_errors
 from clef_cuda.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
+from clef_cuda.images import ImageError
 from clef_cuda.selfcheck import SelfCheckReport, run_selfcheck
 
 log = logging.getLogger("clef_serve")
@@ -242,7 +244,11 @@ def create_app(
             engine = ready_engine()
             raw = await read_body(request, settings.max_body_bytes, settings.body_timeout)
             raw = decompress(raw, request.headers.get("content-encoding", ""), settings.max_body_bytes)
+            content_type = request.headers.get("content-type", "")
+            parts = None
             try:  # off the event loop: a body of many megabytes takes a while to parse
+                if content_type.lower().startswith("multipart/form-data"):  # the SDK's image uploads
+                    raw, parts = await run_in_threadpool(parse_multipart, raw, content_type)
                 body = await run_in_threadpool(parse_json, raw, settings.max_json_depth)
             except InvalidBody as error:
                 return validation_response(error.as_detail())
@@ -261,8 +267,16 @@ def create_app(
                 )
             body["model"] = settings.served_model_name  # answer with the served name, also for the alias
             try:
-                record = await run_in_threadpool(engine.encode, body)
-                ticket = engine.submit(body, record)
+                found = collect_images(body, parts, engine.decider.options.image_limits)
+            except InvalidBody as error:
+                return validation_response(error.as_detail())
+            try:
+                record, prepared = await run_in_threadpool(engine.encode, body, found.images)
+                ticket = engine.submit(body, record, prepared)
+            except ImageError as error:
+                if error.status == 413:
+                    raise ClientError(413, "request_too_large", str(error)) from error
+                return validation_response([{"loc": found.loc_of(error.loc), "msg": str(error), "type": "value_error"}])
             except RequestError as error:
                 return validation_response([{"loc": ["body", *error.loc], "msg": str(error), "type": "value_error"}])
             except RequestTooLongError as error:

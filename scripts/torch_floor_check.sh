@@ -2,7 +2,7 @@
 # The V100 image's torch, tested: the Dockerfile pins an older torch (TORCH_VERSION, the cu126 line, the
 # last with sm_70 kernels) than the development venv. This installs that torch (PyPI's build of it is the
 # same cu126 wheel) into a second venv, installs the package there NON-editable (as the image does), and
-# runs the server, decider and self-check tests and the README example from a copy of the tests outside
+# runs the server, decider, self-check and image tests and the README example from a copy of the tests outside
 # the source tree, so the installed package is what they import. pyproject.toml's torch floor is this
 # version (tests/test_build.py checks both agree).
 #
@@ -16,11 +16,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-torch-floor}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=$(sed -n 's/^ARG TORCH_VERSION=//p' Dockerfile)
-# torchvision pairs with torch release by release (the test oracles' image processor needs it).
-case "$TORCH_VERSION" in
-  2.7.1) TORCHVISION_VERSION=0.22.1 ;;
-  *) echo "scripts/torch_floor_check.sh: no torchvision pairing known for torch $TORCH_VERSION" >&2; exit 2 ;;
-esac
+TORCHVISION_VERSION=$(sed -n 's/^ARG TORCHVISION_VERSION=//p' Dockerfile)  # the image decodes with it
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -36,11 +32,11 @@ CLEF_CUDA_BUILD=cpu MAX_JOBS=${MAX_JOBS:-2} "$VENV/bin/pip" install -q --no-buil
 
 run=$(mktemp -d)
 trap 'rm -rf "$run"' EXIT
-cp -r tests training README.md "$run"/
+cp -r tests training README.md docs "$run"/
 cd "$run"
 "$VENV/bin/python" -c "import clef_cuda, torch, sys; assert clef_cuda.__file__.startswith(sys.prefix), clef_cuda.__file__; \
 print('== testing', clef_cuda.__file__, 'with torch', torch.__version__, clef_cuda.build_info())"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -c /dev/null --rootdir "$run" \
-  tests/test_server.py tests/test_decider.py tests/test_selfcheck.py \
+  tests/test_server.py tests/test_decider.py tests/test_selfcheck.py tests/test_vision.py tests/test_vision_server.py \
   tests/test_clef_tiny.py::test_readme_curl_example_answers_as_printed tests/test_clef_tiny.py::test_golden_answers \
   -k "not simulator"

@@ -111,5 +111,6 @@ def test_the_torch_floor_is_the_v100_images_torch():
     (floor,) = re.findall(r'^\s*"torch>=([^"]+)",', (ROOT / "pyproject.toml").read_text(), re.M)
     assert floor == image_torch
     script = (ROOT / "scripts" / "torch_floor_check.sh").read_text()
-    assert "ARG TORCH_VERSION=" in script and f"{image_torch})" in script  # reads it, knows its torchvision
+    assert "ARG TORCH_VERSION=" in script and "ARG TORCHVISION_VERSION=" in script  # reads both from it
+    assert re.findall(r"^ARG TORCHVISION_VERSION=\S+$", dockerfile, re.M)
     assert "scripts/torch_floor_check.sh" in (ROOT / ".ci" / "run").read_text()

@@ -1,0 +1,253 @@
+"""Images in a request, in every client's wire form, become one ordered list of image bytes
+(shared/specs/vision.md, "Wire forms"):
+
+1. Cloudflare `images`: data URLs or {content_type, base64} objects; 2. ollama `images`: plain base64;
+3. TypeSafe `assets` {placeholder: {"type": "image", "format", "data_base64"}} with the placeholders in
+   the text; 4. TypeSafe multipart/form-data: part `request` is the JSON body, whose assets name the
+   other parts ({"type": "image", "part": "asset-0"}), each claimed by exactly one asset.
+
+Order: `images` first, then assets by the first appearance of their placeholder in the record's text
+(state, then each question's instructions and options, in the order the record renders them), then
+assets never referenced. Each placeholder is replaced in the text by `[image N]`, N the image's place
+in that list. Placeholders are the SDK's `<image:` + 32 hex digits + `>` wherever they occur in a
+string; any other asset name only as a whole string value (so an asset named "photo" does not rewrite
+every "photo" in the state). Nothing here fetches, opens or decodes anything: bytes and their checks
+only (clef_cuda.images decodes later, once the cheap limits passed). Errors are InvalidBody (422) or
+ClientError 413, naming the image.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.intake import ClientError, InvalidBody
+from clef_cuda.encoding import question_options, render
+from clef_cuda.images import ImageError, ImageLimits, strict_base64, wire_image_bytes
+
+SDK_PLACEHOLDER = re.compile(r"<image:[0-9a-f]{32}>")
+ASSET_FORMATS = ("png", "jpg", "jpeg", "webp")
+MAX_PARTS = 64  # multipart parts read at most (the request part plus assets)
+
+
+@dataclass
+class RequestImages:
+    images: list[bytes] = field(default_factory=list)  # in the order the record places them
+    sources: list[list] = field(default_factory=list)  # each image's place in the body (an error's loc)
+
+    def loc_of(self, error_loc: tuple) -> list:
+        """An error about image i of the combined list, located where the client put that image."""
+        if len(error_loc) >= 2 and error_loc[0] == "images" and isinstance(error_loc[1], int):
+            if 0 <= error_loc[1] < len(self.sources):
+                return self.sources[error_loc[1]]
+        return ["body", *error_loc]
+
+
+def _refuse(loc: list, error: ImageError | str, status: int = 422):
+    message = str(error)
+    if isinstance(error, ImageError):
+        status = error.status
+    if status == 413:
+        return ClientError(413, "request_too_large", f"{'.'.join(str(x) for x in loc[1:])}: {message}")
+    return InvalidBody(loc, message, "value_error")
+
+
+# ---- multipart -------------------------------------------------------------------------------------
+def parse_multipart(raw: bytes, content_type: str) -> tuple[bytes, dict[str, bytes]]:
+    """(the `request` part's bytes, the other parts by name). The body limit has already bounded `raw`."""
+    from python_multipart.multipart import MultipartParser, parse_options_header
+
+    _, options = parse_options_header(content_type.encode("latin-1", "replace"))
+    boundary = options.get(b"boundary")
+    if not boundary:
+        raise InvalidBody(["body"], "a multipart/form-data body needs a boundary parameter", "multipart_invalid")
+    parts: dict[str, bytes] = {}
+    current: dict[str, Any] = {}
+
+    def on_part_begin() -> None:
+        current.clear()
+        current.update(header_field=b"", header_value=b"", headers={}, data=bytearray())
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        current["header_field"] += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        current["header_value"] += data[start:end]
+
+    def on_header_end() -> None:
+        current["headers"][current["header_field"].lower()] = current["header_value"]
+        current["header_field"] = current["header_value"] = b""
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        current["data"] += data[start:end]
+
+    def on_part_end() -> None:
+        _, disposition = parse_options_header(current["headers"].get(b"content-disposition", b""))
+        name = disposition.get(b"name", b"").decode("utf-8", "replace")
+        if not name:
+            raise InvalidBody(["body"], "a multipart part has no name", "multipart_invalid")
+        if name in parts:
+            raise InvalidBody(["body"], f"multipart part {name!r} appears twice", "multipart_invalid")
+        if len(parts) >= MAX_PARTS:
+            raise InvalidBody(["body"], f"more than {MAX_PARTS} multipart parts", "multipart_invalid")
+        parts[name] = bytes(current["data"])
+
+    callbacks = {
+        "on_part_begin": on_part_begin,
+        "on_header_field": on_header_field,
+        "on_header_value": on_header_value,
+        "on_header_end": on_header_end,
+        "on_part_data": on_part_data,
+        "on_part_end": on_part_end,
+    }
+    try:
+        parser = MultipartParser(boundary, callbacks)
+        parser.write(raw)
+        parser.finalize()
+    except InvalidBody:
+        raise
+    except Exception as error:  # python_multipart raises its own MultipartParseError and ValueErrors
+        raise InvalidBody(
+            ["body"], f"the multipart/form-data body is malformed: {error}", "multipart_invalid"
+        ) from error
+    request = parts.pop("request", None)
+    if request is None:
+        raise InvalidBody(
+            ["body"], "a multipart body needs a part named 'request' (the JSON body)", "multipart_invalid"
+        )
+    return request, parts
+
+
+# ---- the four forms --------------------------------------------------------------------------------
+def collect_images(body: dict[str, Any], parts: dict[str, bytes] | None, limits: ImageLimits) -> RequestImages:
+    """The request's images in record order; placeholders in `body` rewritten in place as [image N].
+    `body` has passed the schema; `parts` are the multipart parts besides `request` (None: a JSON body)."""
+    found = RequestImages()
+    videos = body.get("videos")
+    if videos:
+        raise InvalidBody(["body", "videos"], "video inputs are not supported (images only)", "value_error")
+    entries = body.get("images")
+    if entries is not None and not isinstance(entries, list):
+        raise InvalidBody(["body", "images"], "images must be an array", "value_error")
+    assets = body.get("assets")
+    if assets is not None and not isinstance(assets, dict):
+        raise InvalidBody(["body", "assets"], "assets must be an object: placeholder -> asset", "value_error")
+    entries, assets = entries or [], assets or {}
+    if len(entries) + len(assets) > limits.max_images:
+        raise InvalidBody(
+            ["body", "images" if entries else "assets"],
+            f"{len(entries) + len(assets)} images; at most {limits.max_images} per request (--max-images)",
+            "value_error",
+        )
+    for index, entry in enumerate(entries):
+        try:
+            found.images.append(wire_image_bytes(entry, limits))
+        except ImageError as error:
+            raise _refuse(["body", "images", index], error) from error
+        found.sources.append(["body", "images", index])
+    claimed: set[str] = set()
+    for name in _assets_in_record_order(body, assets):
+        loc = ["body", "assets", name]
+        found.images.append(_asset_bytes(assets[name], parts, claimed, loc, limits))
+        found.sources.append(loc)
+    if parts is not None and set(parts) - claimed:
+        unclaimed = sorted(set(parts) - claimed)[0]
+        raise InvalidBody(["body"], f"multipart part {unclaimed!r} is claimed by no asset", "multipart_invalid")
+    if assets:
+        _render_placeholders(
+            body, {name: len(entries) + i + 1 for i, name in enumerate(_assets_in_record_order(body, assets))}
+        )
+    return found
+
+
+def _asset_bytes(asset: Any, parts: dict[str, bytes] | None, claimed: set[str], loc: list, limits) -> bytes:
+    if not isinstance(asset, dict) or asset.get("type") != "image":
+        raise InvalidBody(loc, 'an asset must be {"type": "image", ...}', "value_error")
+    declared = asset.get("format")
+    if declared is not None and (not isinstance(declared, str) or declared.lower() not in ASSET_FORMATS):
+        raise InvalidBody([*loc, "format"], f"format must be one of {', '.join(ASSET_FORMATS)}", "value_error")
+    if "part" in asset:
+        name = asset["part"]
+        if parts is None:
+            raise InvalidBody(
+                [*loc, "part"], "an asset names a multipart part, but the body is not multipart", "value_error"
+            )
+        if not isinstance(name, str) or name not in parts:
+            raise InvalidBody([*loc, "part"], f"no multipart part named {str(name)[:60]!r}", "value_error")
+        if name in claimed:
+            raise InvalidBody([*loc, "part"], f"multipart part {name!r} is claimed by two assets", "value_error")
+        claimed.add(name)
+        data = parts[name]
+        if len(data) > limits.max_bytes:
+            raise _refuse(loc, f"the image is over {limits.max_bytes // 2**20} MiB", 413)
+        return data
+    encoded = asset.get("data_base64")
+    if not isinstance(encoded, str):
+        raise InvalidBody(loc, "an image asset needs data_base64 (or, in a multipart body, part)", "value_error")
+    if len(encoded) // 4 * 3 > limits.max_bytes + 2:
+        raise _refuse(loc, f"the image is over {limits.max_bytes // 2**20} MiB", 413)
+    try:
+        return strict_base64(encoded, "data_base64")
+    except ImageError as error:
+        raise _refuse([*loc, "data_base64"], error) from error
+
+
+def _record_texts(body: dict[str, Any]) -> list[str]:
+    """The client strings of the record, in the order the record renders them."""
+    texts = [render(body["state"])]
+    for question_id, question in body["questions"].items():
+        instructions = question.get("instructions")
+        texts.append(render(instructions) if instructions not in (None, "") else str(question_id))
+        texts += [render(description) for _, description in question_options(question) if description is not None]
+    return texts
+
+
+def _mentions(text: str, name: str) -> int:
+    """Where `name` first appears in a rendered text as a placeholder (-1: nowhere)."""
+    if SDK_PLACEHOLDER.fullmatch(name):
+        return text.find(name)
+    quoted = text.find(render(name))  # a whole JSON string value inside a rendered object
+    return 0 if text == name else quoted
+
+
+def _assets_in_record_order(body: dict[str, Any], assets: dict[str, Any]) -> list[str]:
+    texts = _record_texts(body)
+    first: dict[str, tuple[int, int]] = {}
+    for name in assets:
+        for index, text in enumerate(texts):
+            at = _mentions(text, name)
+            if at >= 0:
+                first[name] = (index, at)
+                break
+    referenced = sorted(first, key=first.__getitem__)
+    return referenced + [name for name in assets if name not in first]
+
+
+def _render_placeholders(body: dict[str, Any], numbers: dict[str, int]) -> None:
+    """Every placeholder occurrence in state, instructions and option descriptions -> [image N]."""
+    sdk = {name: n for name, n in numbers.items() if SDK_PLACEHOLDER.fullmatch(name)}
+    exact = {name: n for name, n in numbers.items() if name not in sdk}
+
+    def rewrite(value: Any) -> Any:
+        if isinstance(value, str):
+            if value in exact:
+                return f"[image {exact[value]}]"
+            if "<image:" in value:
+                return SDK_PLACEHOLDER.sub(lambda m: f"[image {sdk[m[0]]}]" if m[0] in sdk else m[0], value)
+            return value
+        if isinstance(value, dict):
+            return {key: rewrite(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [rewrite(item) for item in value]
+        return value
+
+    body["state"] = rewrite(body["state"])
+    for question in body["questions"].values():
+        if "instructions" in question:
+            question["instructions"] = rewrite(question["instructions"])
+        criteria = question.get("criteria")
+        if isinstance(criteria, dict):
+            question["criteria"] = {key: rewrite(item) for key, item in criteria.items()}
+        elif isinstance(criteria, list):
+            question["criteria"] = [rewrite(item) for item in criteria]
