@@ -205,6 +205,11 @@ class PrefixCache:
         self._entries[key] = entry
         self._entries.move_to_end(key)
 
+    def pop_where(self, predicate) -> list[PrefixEntry]:
+        """Take out every entry `predicate` accepts (an unloaded variant's)."""
+        keys = [key for key, entry in self._entries.items() if predicate(entry)]
+        return [self._entries.pop(key) for key in keys]
+
     def pop_oldest(self) -> PrefixEntry | None:
         if not self._entries:
             return None

@@ -118,6 +118,9 @@ class ReleaseConfig:
     # only when they load: clef_cuda.weights).
     vision: VisionConfig | None = None
     media_tokens: MediaTokens | None = None
+    # The release's revision when it sits in a Hugging Face cache (.../snapshots/<revision>/): adapters
+    # trained on another revision are warned about.
+    revision: str | None = None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -333,4 +336,7 @@ def load_release_config(model_dir: str | Path) -> ReleaseConfig:
     trunk, prefix = load_trunk_config(model_dir / "config.json")
     head = load_head_config(model_dir / "joint_head_config.json", trunk)
     vision, media_tokens = load_vision_config(model_dir / "config.json", trunk)
-    return ReleaseConfig(trunk=trunk, head=head, weight_prefix=prefix, vision=vision, media_tokens=media_tokens)
+    revision = model_dir.resolve().name if model_dir.resolve().parent.name == "snapshots" else None
+    return ReleaseConfig(
+        trunk=trunk, head=head, weight_prefix=prefix, vision=vision, media_tokens=media_tokens, revision=revision
+    )

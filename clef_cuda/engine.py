@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from clef_cuda import answers
+from clef_cuda.adapters import Adapter, AdapterBatch, AdapterRegistry
 from clef_cuda.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, TrunkCache, VisionCache
 from clef_cuda.decider import Decider, record_chunk, request_images
 from clef_cuda.encoding import EncodedRecord, encode_request, validate_request
@@ -81,6 +82,7 @@ class Ticket:
     future: concurrent.futures.Future
     record: EncodedRecord
     images: list[PreparedImage] = field(default_factory=list)  # the record's images, prepared (request order)
+    adapter: Adapter | None = None  # the variant it asked for (held until the request settles), None: base
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -97,12 +99,23 @@ class _Sequence:
     reuse_points: list[int]  # block-aligned positions where a snapshot is taken (ascending, > position)
     cached_tokens: int
     started: float
+    base_head: Any = None  # the base model's joint head (used when the ticket has no variant)
     rope_positions: torch.Tensor | None = None  # [3, N] (None: text only)
     features: list[torch.Tensor | None] = field(default_factory=list)  # per image (None: its tokens are cached)
 
     @property
     def record(self) -> EncodedRecord:
         return self.ticket.record
+
+    @property
+    def head(self):
+        """The joint head that decides it: its variant's, or the base model's."""
+        return self.ticket.adapter.head if self.ticket.adapter is not None else self.base_head
+
+    @property
+    def variant(self) -> bytes:
+        """The variant's content digest (b"" for the base model): every cache keys on it."""
+        return self.ticket.adapter.digest if self.ticket.adapter is not None else b""
 
 
 @dataclass
@@ -126,7 +139,9 @@ class MemoryPlan:
         )
 
 
-def plan_memory(decider: Decider, config: EngineConfig) -> MemoryPlan:
+def plan_memory(decider: Decider, config: EngineConfig, reserved_bytes: int = 0) -> MemoryPlan:
+    """Split kv_fraction of the free device memory (after `reserved_bytes`: the adapter pool) into state
+    slots, prefix snapshots and KV blocks."""
     trunk_config, dtype = decider.config.trunk, decider.trunk.dtype
     device = decider.device
     if device.type == "cuda":
@@ -135,7 +150,7 @@ def plan_memory(decider: Decider, config: EngineConfig) -> MemoryPlan:
         import psutil
 
         free = psutil.virtual_memory().available
-    budget = int(config.kv_fraction * free)
+    budget = int(config.kv_fraction * max(0, free - reserved_bytes))
     slot_bytes = TrunkCache.slot_bytes(trunk_config, dtype)
     block_bytes = max(1, TrunkCache.block_bytes(trunk_config, dtype, config.block_size))
     blocks_per_record = -(-config.max_model_len // config.block_size)
@@ -156,11 +171,25 @@ def plan_memory(decider: Decider, config: EngineConfig) -> MemoryPlan:
 
 
 class Engine:
-    def __init__(self, decider: Decider, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(
+        self, decider: Decider, config: EngineConfig = EngineConfig(), adapters: AdapterRegistry | None = None
+    ) -> None:
         if config.max_num_seqs < 1 or config.prefill_chunk_size < 1 or config.block_size < 1:
             raise ValueError("max_num_seqs, prefill_chunk_size and block_size must be positive")
-        self.decider, self.config = decider, config
-        self.plan = plan_memory(decider, config)
+        self.decider, self.config, self.adapters = decider, config, adapters
+        reserved = 0
+        if adapters is not None:  # room for the variants still to come; the loaded ones hold theirs already
+            reserved = max(0, adapters.pool_bytes() - adapters.bytes())
+            log.info(
+                "adapters: a pool of %.0f MiB for %d variants at rank <= %d (%d loaded, %.0f MiB), reserved "
+                "before the cache budget",
+                adapters.pool_bytes() / 2**20,
+                adapters.max_adapters,
+                adapters.max_rank,
+                len(adapters.names()),
+                adapters.bytes() / 2**20,
+            )
+        self.plan = plan_memory(decider, config, reserved)
         self.cache = TrunkCache.allocate(
             decider.config.trunk,
             self.plan.running_slots + self.plan.snapshot_slots,
@@ -184,6 +213,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._accepting = True
         self._stop = False
+        self._forget: list[bytes] = []  # variants whose prefix entries are to go
         self._thread: threading.Thread | None = None
         # The joint head of finished records runs here, beside the scheduler's next trunk step.
         self._head_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="clef-head")
@@ -221,12 +251,27 @@ class Engine:
         return record, prepared
 
     def submit(
-        self, request: dict[str, Any], record: EncodedRecord | None = None, images: list[PreparedImage] = ()
+        self,
+        request: dict[str, Any],
+        record: EncodedRecord | None = None,
+        images: list[PreparedImage] = (),
+        adapter: Adapter | None = None,
     ) -> Ticket:
+        """Queue a record. `adapter`: a variant the caller acquired from self.adapters (the engine releases
+        it when the request settles). Without a record, the request is encoded here and its `model` may
+        name a variant."""
         if record is None:
-            record, images = self.encode(request, request_images(request, self.decider.options.image_limits))
-        ticket = Ticket(next(self._ids), concurrent.futures.Future(), record, list(images))
+            if adapter is None and self.adapters is not None:
+                adapter = self.adapters.acquire(request.get("model"))
+            try:
+                record, images = self.encode(request, request_images(request, self.decider.options.image_limits))
+            except BaseException:
+                self._release(adapter)
+                raise
+        ticket = Ticket(next(self._ids), concurrent.futures.Future(), record, list(images), adapter)
         with self._lock:
+            if not self._accepting or len(self._queue) >= self.config.max_queue:
+                self._release(adapter)
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down")
             if len(self._queue) >= self.config.max_queue:
@@ -234,6 +279,26 @@ class Engine:
             self._queue.append((ticket, request))
             self._lock.notify()
         return ticket
+
+    def _release(self, adapter: Adapter | None) -> None:
+        if adapter is not None and self.adapters is not None:
+            self.adapters.release(adapter)
+
+    def _settle(self, ticket: Ticket, result: dict[str, Any] | None = None, error: BaseException | None = None) -> None:
+        """Resolve a request's future (once) and let go of its variant."""
+        if not ticket.future.done():
+            if error is not None:
+                ticket.future.set_exception(error)
+            else:
+                ticket.future.set_result(result)
+        self._release(ticket.adapter)
+        ticket.adapter = None
+
+    def forget_variant(self, digest: bytes) -> None:
+        """An unloaded variant's prefix entries go (at the scheduler's next turn: it owns the cache)."""
+        with self._lock:
+            self._forget.append(digest)
+            self._lock.notify()
 
     def cancel(self, ticket: Ticket) -> None:
         """Drop the request (its client went away): its slot and blocks are freed at the next step."""
@@ -283,11 +348,12 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._running and not self._stop:
+                while not self._queue and not self._running and not self._stop and not self._forget:
                     self._lock.wait(timeout=1.0)
                 if self._stop and not self._queue and not self._running:
                     return
             try:
+                self._drop_forgotten()
                 self._drop_cancelled()
                 self._admit()
                 if self._running:
@@ -300,6 +366,17 @@ class Engine:
                 for seq in list(self._running):
                     self._finish(seq, error=error)
 
+    def _drop_forgotten(self) -> None:
+        with self._lock:
+            forget, self._forget = set(self._forget), []
+        for entry in self.prefix_cache.pop_where(lambda e: e.digests[:1] and e.digests[0] in forget) if forget else []:
+            self._free_entry(entry)
+
+    def _free_entry(self, entry: PrefixEntry) -> None:
+        self.blocks.release(entry.blocks)
+        self.snapshot_slots.give_back([entry.snapshot_slot])
+        self.prefix_cache_bytes -= entry.bytes
+
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.ticket.cancelled.is_set()]:
             self._finish(seq, error=RequestCancelledError("cancelled"))
@@ -307,7 +384,7 @@ class Engine:
             kept = deque()
             for ticket, request in self._queue:
                 if ticket.cancelled.is_set():
-                    ticket.future.set_exception(RequestCancelledError("cancelled"))
+                    self._settle(ticket, error=RequestCancelledError("cancelled"))
                     self.failed += 1
                 else:
                     kept.append((ticket, request))
@@ -328,17 +405,19 @@ class Engine:
                 previous = point
         return points
 
-    def _lookup(self, record: EncodedRecord, layout_spans: list[tuple[int, int]]) -> tuple[PrefixEntry | None, bytes]:
+    def _lookup(
+        self, record: EncodedRecord, layout_spans: list[tuple[int, int]], variant: bytes
+    ) -> tuple[PrefixEntry | None, bytes]:
         for point in reversed(self._reuse_points(record)):
-            tokens, digests = record.input_ids[:point], record.media_digests(point)
+            tokens, digests = record.input_ids[:point], (variant, *record.media_digests(point))
             key = PrefixCache.key(tokens, digests)
             entry = self.prefix_cache.get(key, tokens, digests)
             if entry is not None and all((s, min(e, point)) in entry.span_sums for s, e in layout_spans if s < point):
                 return entry, key
         return None, b""
 
-    def _cached(self, record: EncodedRecord, point: int) -> bool:
-        return PrefixCache.key(record.input_ids[:point], record.media_digests(point)) in self.prefix_cache
+    def _cached(self, record: EncodedRecord, point: int, variant: bytes) -> bool:
+        return PrefixCache.key(record.input_ids[:point], (variant, *record.media_digests(point))) in self.prefix_cache
 
     def _evict_for(self, blocks_needed: int) -> bool:
         while self.blocks.available < blocks_needed:
@@ -350,9 +429,7 @@ class Engine:
         entry = self.prefix_cache.pop_oldest()
         if entry is None:
             return False
-        self.blocks.release(entry.blocks)
-        self.snapshot_slots.give_back([entry.snapshot_slot])
-        self.prefix_cache_bytes -= entry.bytes
+        self._free_entry(entry)
         return True
 
     def _admit(self) -> None:
@@ -371,7 +448,8 @@ class Engine:
             record = ticket.record
             layout = RecordLayout.from_record(record, self.decider.device)
             spans = [q.span for q in record.questions] + [s for q in record.questions for s in q.option_spans]
-            entry, _ = self._lookup(record, spans)
+            variant = ticket.adapter.digest if ticket.adapter is not None else b""
+            entry, _ = self._lookup(record, spans, variant)
             reused = entry.length if entry is not None else 0
             needed = -(-record.num_tokens // self.config.block_size) - reused // self.config.block_size
             if entry is not None:
@@ -389,7 +467,8 @@ class Engine:
                 self._queue.popleft()
             new_blocks = self.blocks.take(needed)
             assert new_blocks is not None
-            inputs = self.decider.head.start(layout, record.num_tokens)
+            head = ticket.adapter.head if ticket.adapter is not None else self.decider.head
+            inputs = head.start(layout, record.num_tokens)
             if entry is not None:
                 self.prefix_cache.hits += 1
                 self._restore(entry, slot[0], inputs, layout, spans)
@@ -403,9 +482,12 @@ class Engine:
                 slot=slot[0],
                 blocks=(entry.blocks if entry is not None else []) + new_blocks,
                 position=reused,
-                reuse_points=[p for p in self._reuse_points(record) if p > reused and not self._cached(record, p)],
+                reuse_points=[
+                    p for p in self._reuse_points(record) if p > reused and not self._cached(record, p, variant)
+                ],
                 cached_tokens=reused,
                 started=time.perf_counter(),
+                base_head=self.decider.head,
                 rope_positions=record.rope_positions(),
             )
             self._running.append(seq)
@@ -447,7 +529,7 @@ class Engine:
         inputs.filled = entry.length
 
     def _snapshot(self, seq: _Sequence, point: int) -> None:
-        tokens, digests = seq.record.input_ids[:point], seq.record.media_digests(point)
+        tokens, digests = seq.record.input_ids[:point], (seq.variant, *seq.record.media_digests(point))
         key = PrefixCache.key(tokens, digests)
         if key in self.prefix_cache:
             return
@@ -476,8 +558,10 @@ class Engine:
 
     @torch.inference_mode()
     def _step(self) -> None:
-        chunks, packed = [], []
-        for seq in self._running:
+        chunks, packed, segments = [], [], []
+        # The base model's rows first, then each variant's together: one contiguous run of rows per variant.
+        offset = 0
+        for seq in sorted(self._running, key=lambda s: s.variant):
             limit = seq.record.num_tokens
             if seq.reuse_points:
                 limit = min(limit, seq.reuse_points[0])
@@ -486,12 +570,19 @@ class Engine:
                 record_chunk(seq.record, seq.position, size, seq.slot, seq.blocks, seq.rope_positions, seq.features)
             )
             packed.append((seq, size))
+            adapter = seq.ticket.adapter
+            if adapter is not None:
+                if segments and segments[-1][2] is adapter and segments[-1][1] == offset:
+                    segments[-1] = (segments[-1][0], offset + size, adapter)
+                else:
+                    segments.append((offset, offset + size, adapter))
+            offset += size
         batch = ChunkBatch.build(chunks, self.config.block_size, self.decider.device)
-        hidden = self.decider.trunk.forward(batch, self.cache)
+        hidden = self.decider.trunk.forward(batch, self.cache, AdapterBatch(segments) if segments else None)
         self.steps += 1
         offset = 0
         for seq, size in packed:
-            self.decider.head.consume(seq.inputs, seq.layout, hidden[offset : offset + size])
+            seq.head.consume(seq.inputs, seq.layout, hidden[offset : offset + size])
             offset += size
             seq.position += size
             if seq.reuse_points and seq.position == seq.reuse_points[0]:
@@ -508,8 +599,7 @@ class Engine:
         self.running_slots.give_back([seq.slot])
         if error is not None:
             self.failed += 1
-            if not seq.ticket.future.done():
-                seq.ticket.future.set_exception(error)
+            self._settle(seq.ticket, error=error)
             return
         self._head_thread.submit(self._answer_into_future, seq)
 
@@ -520,13 +610,13 @@ class Engine:
         except Exception as error:  # a server fault: the request fails, the server goes on
             log.exception("answering a record failed")
             self.failed += 1
-            seq.ticket.future.set_exception(error)
+            self._settle(seq.ticket, error=error)
             return
         self.completed += 1
-        seq.ticket.future.set_result(body)
+        self._settle(seq.ticket, body)
 
     def _answer(self, seq: _Sequence) -> dict[str, Any]:
-        head = self.decider.head
+        head = seq.head
         probabilities = head.probabilities(head.logits(seq.inputs, seq.layout), seq.layout).tolist()
         result, cursor = {}, 0
         for question in seq.record.questions:

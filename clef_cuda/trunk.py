@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from clef_cuda.cache import TrunkCache
+
+if TYPE_CHECKING:
+    from clef_cuda.adapters import AdapterBatch
 from clef_cuda.config import LINEAR_ATTENTION, TrunkConfig
 from clef_cuda.errors import NumericalOverflowError
 
@@ -207,8 +211,9 @@ class Trunk:
         )
 
     # ---- forward --------------------------------------------------------------------------------
-    def forward(self, batch: ChunkBatch, cache: TrunkCache) -> Tensor:
-        """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place."""
+    def forward(self, batch: ChunkBatch, cache: TrunkCache, lora: AdapterBatch | None = None) -> Tensor:
+        """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place.
+        `lora`: the variants of the chunk's rows (clef_cuda.adapters); rows outside it are the base model's."""
         eps = self.config.rms_norm_eps
         x = self.embed[batch.input_ids].float()  # the residual stream stays fp32
         if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens
@@ -218,10 +223,11 @@ class Trunk:
             h = rms_norm(x, layer.input_scale, eps).to(self.dtype)
             # In-place updates below: these [N, hidden] / [N, intermediate] temporaries are the trunk's
             # largest, and on the CPU their allocation shows in the profile.
-            x += self._mix(layer, h, batch, cache, self.cache_index[index], rope)
+            x += self._mix(layer, h, batch, cache, self.cache_index[index], rope, index, lora)
             h = rms_norm(x, layer.post_scale, eps).to(self.dtype)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x += F.linear(F.silu(gate, inplace=True).mul_(up), layer.down)
+            gate, up = self._linear(h, layer.gate_up, lora, index, "gate_up").chunk(2, dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up)
+            x += self._linear(act, layer.down, lora, index, "down")
         out = rms_norm(x, self.final_scale, eps)
         if not torch.isfinite(out).all():
             raise NumericalOverflowError(
@@ -235,7 +241,9 @@ class Trunk:
         are already input-normed, h [N, hidden] in the serving dtype -> [N, hidden] fp32. Reads and writes
         `cache` at `cache_index` (the layer's place among the layers of its kind in that cache). The
         self-check runs one real layer of each kind through this, once on the ops and once on the references."""
-        return self._mix(self.layers[layer_index], h, batch, cache, cache_index, self._rope(batch.positions))
+        return self._mix(
+            self.layers[layer_index], h, batch, cache, cache_index, self._rope(batch.positions), layer_index
+        )
 
     def with_ops(self, ops) -> Trunk:
         """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.reference."""
@@ -244,16 +252,41 @@ class Trunk:
         return twin
 
     def _mix(
-        self, layer: _LayerWeights, h: Tensor, batch: ChunkBatch, cache: TrunkCache, i: int, rope: tuple[Tensor, Tensor]
+        self,
+        layer: _LayerWeights,
+        h: Tensor,
+        batch: ChunkBatch,
+        cache: TrunkCache,
+        i: int,
+        rope: tuple[Tensor, Tensor],
+        index: int,
+        lora: AdapterBatch | None = None,
     ) -> Tensor:
         if layer.kind == LINEAR_ATTENTION:
-            return self._delta_net(layer.mixer, h, batch, cache, i)
-        return self._attention(layer.mixer, h, batch, cache, i, *rope)
+            return self._delta_net(layer.mixer, h, batch, cache, i, index, lora)
+        return self._attention(layer.mixer, h, batch, cache, i, *rope, index, lora)
 
-    def _delta_net(self, w: _DeltaNetWeights, h: Tensor, batch: ChunkBatch, cache: TrunkCache, i: int) -> Tensor:
+    @staticmethod
+    def _linear(x: Tensor, weight: Tensor, lora: AdapterBatch | None, index: int, fused: str) -> Tensor:
+        """A fused GEMM, plus the variants' LoRA deltas on their rows' columns of it."""
+        y = F.linear(x, weight)
+        if lora is not None:
+            lora.apply(y, x, index, fused)
+        return y
+
+    def _delta_net(
+        self,
+        w: _DeltaNetWeights,
+        h: Tensor,
+        batch: ChunkBatch,
+        cache: TrunkCache,
+        i: int,
+        index: int,
+        lora: AdapterBatch | None,
+    ) -> Tensor:
         c = self.config
         n, hv, dv = h.shape[0], c.linear_num_value_heads, c.linear_value_head_dim
-        proj = F.linear(h, w.in_proj)
+        proj = self._linear(h, w.in_proj, lora, index, "in_proj")
         mixed = proj[:, : c.conv_dim]  # a strided view: the conv reads it in place
         z = proj[:, c.conv_dim : c.conv_dim + c.value_dim]
         b = proj[:, c.conv_dim + c.value_dim : c.conv_dim + c.value_dim + hv]
@@ -279,7 +312,7 @@ class Trunk:
         core = core.float()
         normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w.norm_weight
         gated = normed * F.silu(z.float().view(n, hv, dv))
-        return F.linear(gated.reshape(n, c.value_dim).to(self.dtype), w.out_proj).float()
+        return self._linear(gated.reshape(n, c.value_dim).to(self.dtype), w.out_proj, lora, index, "out_proj").float()
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions [3, N] -> cos, sin [N, 1, rotary/2]: frequency j turns with the position on its axis."""
@@ -290,11 +323,20 @@ class Trunk:
         return rotate_half(x, cos, sin, self.config.rotary_dim)
 
     def _attention(
-        self, w: _AttentionWeights, h: Tensor, batch: ChunkBatch, cache: TrunkCache, i: int, cos: Tensor, sin: Tensor
+        self,
+        w: _AttentionWeights,
+        h: Tensor,
+        batch: ChunkBatch,
+        cache: TrunkCache,
+        i: int,
+        cos: Tensor,
+        sin: Tensor,
+        index: int,
+        lora: AdapterBatch | None,
     ) -> Tensor:
         c = self.config
         n, hq, hkv, d = h.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = F.linear(h, w.qkv_proj)
+        qkv = self._linear(h, w.qkv_proj, lora, index, "qkv_proj")
         query_gate = qkv[:, : hq * 2 * d].view(n, hq, 2 * d)
         k = qkv[:, hq * 2 * d : hq * 2 * d + hkv * d].view(n, hkv, d)
         v = qkv[:, hq * 2 * d + hkv * d :].view(n, hkv, d)
@@ -306,4 +348,4 @@ class Trunk:
             q.to(self.dtype), key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables
         )
         gated = attn.float() * torch.sigmoid(query_gate[..., d:].float())
-        return F.linear(gated.reshape(n, hq * d).to(self.dtype), w.o_proj).float()
+        return self._linear(gated.reshape(n, hq * d).to(self.dtype), w.o_proj, lora, index, "o_proj").float()
