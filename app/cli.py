@@ -130,6 +130,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="device memory for vision-tower outputs kept by image digest (a repeated image skips the tower)",
     )
     p.add_argument(
+        "--adapter",
+        "--lora-modules",
+        dest="adapters",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME=DIR",
+        help="a fine-tuned variant: a clef-finetune checkpoint-N directory served as model NAME (repeatable; "
+        'vLLM\'s --lora-modules NAME=DIR and {"name": ..., "path": ...} forms are accepted)',
+    )
+    p.add_argument("--max-adapters", type=_positive_int, default=8, help="variants held at once")
+    p.add_argument("--max-adapter-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
+    p.add_argument("--adapter-head-dtype", choices=sorted(DTYPES), default="f32", help="dtype of the variants' heads")
+    p.add_argument(
+        "--enable-adapter-loading",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --api-key and --adapter-root)",
+    )
+    p.add_argument("--adapter-root", help="the only directory runtime-loaded adapters are read from")
+    p.add_argument(
         "--client-special-tokens",
         choices=CLIENT_SPECIAL_TOKENS,
         default="control",
@@ -184,11 +204,57 @@ def make_decider(args):
     )
 
 
+def parse_adapters(values: list[str]) -> list[tuple[str, str]]:
+    """NAME=DIR (or vLLM's JSON form) -> (name, directory); ValueError naming the bad one."""
+    import json
+
+    pairs = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+                name, directory = item["name"], item["path"]
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f'--adapter {value!r}: expected NAME=DIR or {{"name": ..., "path": ...}}') from error
+        else:
+            name, sep, directory = value.partition("=")
+            if not sep or not name or not directory:
+                raise ValueError(f"--adapter {value!r}: expected NAME=DIR")
+        pairs.append((str(name), str(directory)))
+    names = [name for name, _ in pairs]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"--adapter: the name {name!r} is given twice")
+    return pairs
+
+
+def make_adapters(args, decider):
+    """The variant registry with the start-up adapters loaded (None when adapters are off)."""
+    import torch
+
+    from clef_cuda.adapters import AdapterRegistry
+
+    if not args.adapters and not args.enable_adapter_loading:
+        return None
+    registry = AdapterRegistry(
+        decider.config,
+        decider.trunk.lm_head,
+        decider.trunk.dtype,
+        max_adapters=args.max_adapters,
+        max_rank=args.max_adapter_rank,
+        head_dtype=getattr(torch, DTYPES[args.adapter_head_dtype]),
+    )
+    for name, directory in parse_adapters(args.adapters):
+        registry.load(name, Path(directory))
+    return registry
+
+
 def make_engine(args):
     """Load the release and build the engine (runs on the loader thread; errors surface on /ready)."""
     from clef_cuda.engine import Engine, EngineConfig
 
     decider = make_decider(args)
+    adapters = make_adapters(args, decider)
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         prefill_chunk_size=args.prefill_chunk_size,
@@ -201,7 +267,7 @@ def make_engine(args):
         confidence=args.confidence,
         vision_cache_bytes=args.vision_cache_mib * 2**20,
     )
-    return Engine(decider, config)
+    return Engine(decider, config, adapters)
 
 
 def selfcheck_only(args) -> int:
@@ -212,6 +278,26 @@ def selfcheck_only(args) -> int:
     print(report.table())
     print(f"self-check {report.summary()}")
     return 0 if report.passed else 1
+
+
+def check_adapters(args, release) -> None:
+    """Before the (slow) load: every start-up adapter passes the loading rules (AdapterError naming file and
+    tensor or field), names do not shadow the served model, and runtime loading has its key and root."""
+    from clef_cuda.adapters import load_adapter_tensors
+
+    for name, directory in parse_adapters(args.adapters):
+        if name in (args.served_model_name, "jev-latest"):
+            raise ValueError(f"--adapter {name}={directory}: the name is the served model's")
+        load_adapter_tensors(Path(directory), release, args.max_adapter_rank)
+    if len(args.adapters) > args.max_adapters:
+        raise ValueError(f"--adapter: {len(args.adapters)} adapters, more than --max-adapters {args.max_adapters}")
+    if args.enable_adapter_loading:
+        if not args.api_key:
+            raise ValueError("--enable-adapter-loading needs --api-key (or $CLEF_API_KEY): loading is an admin action")
+        if not args.adapter_root or not Path(args.adapter_root).is_dir():
+            raise ValueError(
+                f"--enable-adapter-loading needs --adapter-root, an existing directory (got {args.adapter_root!r})"
+            )
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -231,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("clef_serve")
 
+    from clef_cuda.adapters import AdapterError
     from clef_cuda.config import load_release_config
     from clef_cuda.errors import ReleaseError
 
@@ -249,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if not Path(args.weights).is_dir():
                 raise ValueError(f"--w {args.weights}: not a directory (expected a clef-flash release)")
-            load_release_config(args.weights)
             description = f"clef-flash System One decision model ({args.weights})"
-    except (ValueError, ReleaseError) as error:
+        check_adapters(args, load_release_config(args.weights))
+    except (ValueError, ReleaseError, AdapterError) as error:
         parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
     if args.selfcheck_only:
         try:
@@ -271,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         selfcheck=args.selfcheck,
         max_json_depth=args.max_json_depth,
+        adapter_root=args.adapter_root if args.enable_adapter_loading else None,
     )
     app = create_app(settings, load_engine=lambda: make_engine(args))
     log.info("listening on %s:%d (model loading in the background; /ready says when it is done)", args.host, args.port)

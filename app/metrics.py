@@ -55,6 +55,19 @@ class Metrics:
         )
         self.vision_cache_misses = Gauge("clef_vision_cache_misses", "Images that went through the tower", registry=r)
         self._selfcheck: tuple[Gauge, Gauge, Gauge, Gauge] | None = None  # made by observe_selfcheck
+        self.adapters_loaded = Gauge("clef_adapters_loaded", "Fine-tuned variants being served", registry=r)
+        self.adapter_slots = Gauge("clef_adapter_slots", "Variants the server can hold (--max-adapters)", registry=r)
+        self.adapter_bytes = Gauge("clef_adapter_bytes", "Device memory of the loaded variants", registry=r)
+        self.adapter_loads = Counter(
+            "clef_adapter_loads", "Variant loads by result (ok, error)", ["result"], registry=r
+        )
+        self.model_requests = Counter(
+            "clef_model_requests", "Answered decisions by model (base or variant)", ["model"], registry=r
+        )
+        self.model_cached_tokens = Counter(
+            "clef_model_cached_tokens", "Input tokens served from the prefix cache, by model", ["model"], registry=r
+        )
+        self._model_labels: set[str] = set()
 
     def observe_selfcheck(self, report) -> None:
         """The on-device self-check's outcome (clef_cuda.selfcheck.SelfCheckReport). The families exist only
@@ -105,6 +118,21 @@ class Metrics:
         self.vision_seconds.set(engine.vision_seconds)
         self.vision_cache_hits.set(engine.vision_cache.hits)
         self.vision_cache_misses.set(engine.vision_cache.misses)
+        if engine.adapters is not None:
+            self.adapters_loaded.set(len(engine.adapters.names()))
+            self.adapter_slots.set(engine.adapters.max_adapters)
+            self.adapter_bytes.set(engine.adapters.bytes())
+
+    MAX_MODEL_LABELS = 64  # label values are model names clients chose: bounded, the rest count as "other"
+
+    def observe_decision(self, model: str, result: dict) -> None:
+        if model not in self._model_labels:
+            if len(self._model_labels) >= self.MAX_MODEL_LABELS:
+                model = "other"
+            else:
+                self._model_labels.add(model)
+        self.model_requests.labels(model=model).inc()
+        self.model_cached_tokens.labels(model=model).inc(result.get("x_cached_tokens", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

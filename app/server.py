@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -30,6 +31,7 @@ from app.logs import log_decision, request_id_of
 from app.media import collect_images, parse_multipart
 from app.metrics import Metrics
 from app.schemas import SystemOneRequest, unsupported_question_errors
+from clef_cuda.adapters import AdapterError
 from clef_cuda.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
 from clef_cuda.images import ImageError
@@ -52,6 +54,7 @@ class ServerSettings:
     release_date: str = "2026-10-01"
     disconnect_poll_seconds: float = 0.05
     selfcheck: str = "enforce"  # enforce: a failed on-device self-check keeps /ready 503; warn: serve anyway; off
+    adapter_root: str | None = None  # set: runtime adapter loading is on, from under this directory only
     max_json_depth: int = 256  # deeper bodies are a 422 before they are parsed
 
 
@@ -121,6 +124,8 @@ def create_app(
     def become_ready(loaded: Engine) -> None:
         if not passes_selfcheck(loaded):
             return  # never started: /ready stays 503 and decisions are refused, naming the failed checks
+        if loaded.adapters is not None:  # the start-up loads (runtime ones are counted as they happen)
+            metrics.adapter_loads.labels(result="ok").inc(loaded.adapters.loads["ok"])
         loaded.start()
         if warm_up:
             loaded.decide(
@@ -259,20 +264,31 @@ def create_app(
                 await run_in_threadpool(SystemOneRequest.model_validate, body)
             except ValidationError as error:
                 return validation_response(_pydantic_errors(error))
-            if body["model"] not in names:
+            variant = body["model"] not in names
+            if variant and (engine.adapters is None or engine.adapters.get(body["model"]) is None):
                 raise ClientError(
                     404,
                     "not_found_error",
                     f"model {body['model']!r} is not served here (try {settings.served_model_name!r})",
                 )
-            body["model"] = settings.served_model_name  # answer with the served name, also for the alias
+            if not variant:
+                body["model"] = settings.served_model_name  # answer with the served name, also for the alias
+            request.state.model = body["model"]
             try:
                 found = collect_images(body, parts, engine.decider.options.image_limits)
             except InvalidBody as error:
                 return validation_response(error.as_detail())
+            adapter = engine.adapters.acquire(body["model"]) if variant else None
+            if variant and adapter is None:  # unloaded in the meantime
+                raise ClientError(404, "not_found_error", f"model {body['model']!r} is not served here")
             try:
-                record, prepared = await run_in_threadpool(engine.encode, body, found.images)
-                ticket = engine.submit(body, record, prepared)
+                try:
+                    record, prepared = await run_in_threadpool(engine.encode, body, found.images)
+                except BaseException:
+                    if adapter is not None:
+                        engine.adapters.release(adapter)
+                    raise
+                ticket = engine.submit(body, record, prepared, adapter)  # the engine releases it from here on
             except ImageError as error:
                 if error.status == 413:
                     raise ClientError(413, "request_too_large", str(error)) from error
@@ -291,6 +307,7 @@ def create_app(
             metrics.prompt_tokens.inc(result["usage"]["input_tokens"])
             metrics.cached_tokens.inc(result.get("x_cached_tokens", 0))
             metrics.queue_latency.observe(result.get("x_timing_ms", {}).get("queue", 0.0) / 1e3)
+            metrics.observe_decision(request.state.model, result)
             request.state.result = result
             return JSONResponse(result)
         except ClientError as error:
@@ -328,19 +345,75 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         created = 1_767_225_600  # 2026-01-01, a fixed timestamp
+        base = settings.served_model_name
+        variants = state.engine.adapters.names() if state.engine is not None and state.engine.adapters else []
         return {
-            "models": [
-                {
-                    "name": settings.served_model_name,
-                    "description": settings.model_description,
-                    "release_date": settings.release_date,
-                }
+            "models": [{"name": base, "description": settings.model_description, "release_date": settings.release_date}]
+            + [
+                {"name": v, "description": f"a fine-tuned variant of {base}", "release_date": settings.release_date}
+                for v in variants
             ],
             "object": "list",
-            "data": [
-                {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "clef-cuda"}
+            "data": [{"id": base, "object": "model", "created": created, "owned_by": "clef-cuda"}]
+            + [
+                {"id": v, "object": "model", "created": created, "owned_by": "clef-cuda", "parent": base}
+                for v in variants
             ],
         }
+
+    # ---- runtime variants (vLLM's endpoints and bodies), only with --enable-adapter-loading ----------------
+    def adapter_admin(request: Request) -> Engine:
+        if settings.adapter_root is None:
+            raise ClientError(404, "not_found_error", "runtime adapter loading is off (--enable-adapter-loading)")
+        check_auth(request)
+        engine = ready_engine()
+        if engine.adapters is None:
+            raise ClientError(404, "not_found_error", "this server holds no adapters")
+        return engine
+
+    async def admin_body(request: Request, fields: tuple[str, ...]) -> dict[str, str]:
+        raw = await read_body(request, 64 * 1024, settings.body_timeout)
+        try:
+            body = parse_json(raw, 8)
+        except InvalidBody as error:
+            raise ClientError(400, "invalid_request_error", error.message) from error
+        if not isinstance(body, dict) or not all(isinstance(body.get(f), str) and body[f] for f in fields):
+            raise ClientError(400, "invalid_request_error", f"the body must be a JSON object with {', '.join(fields)}")
+        return body
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        try:
+            engine = adapter_admin(request)
+            body = await admin_body(request, ("lora_name", "lora_path"))
+            name = body["lora_name"]
+            if name in names:
+                raise ClientError(400, "invalid_request_error", f"{name!r} is the served model's name")
+            directory = _under_root(settings.adapter_root, body["lora_path"])
+            try:
+                await run_in_threadpool(engine.adapters.load, name, directory)
+            except AdapterError as error:
+                metrics.adapter_loads.labels(result="error").inc()
+                raise ClientError(400, "invalid_request_error", str(error)) from error
+            metrics.adapter_loads.labels(result="ok").inc()
+            log.info("adapter %s loaded at runtime", name)
+            return JSONResponse({"lora_name": name, "loaded": True})
+        except ClientError as error:
+            return error_response(error.status, error.error_type, error.message, error.headers)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        try:
+            engine = adapter_admin(request)
+            name = (await admin_body(request, ("lora_name",)))["lora_name"]
+            adapter = engine.adapters.unload(name)
+            if adapter is None:
+                raise ClientError(404, "not_found_error", f"no adapter named {name!r} is loaded")
+            engine.forget_variant(adapter.digest)
+            log.info("adapter %s unloaded (its in-flight requests finish)", name)
+            return JSONResponse({"lora_name": name, "unloaded": True})
+        except ClientError as error:
+            return error_response(error.status, error.error_type, error.message, error.headers)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -368,6 +441,16 @@ def create_app(
 
     app.openapi = lambda: _openapi(app)
     return app
+
+
+def _under_root(root: str, path: str) -> Path:
+    """`path` (relative to the root, or absolute) resolved with every symlink, and inside the root: a path
+    that leaves it, by .. or by a link, is refused."""
+    base = Path(root).resolve()
+    target = (base / path).resolve()
+    if target != base and base not in target.parents:
+        raise ClientError(400, "invalid_request_error", f"lora_path {path!r} is outside --adapter-root")
+    return target
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
