@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cases as bench_cases  # noqa: E402
 from kernel_table import measured_peaks, timer  # noqa: E402
+from selfcheck_cost import FLASH_LAYERS  # noqa: E402
 
 from clef_cuda import ops  # noqa: E402
 from clef_cuda.cache import TrunkCache  # noqa: E402
@@ -45,27 +46,9 @@ HQ, HKV, D, BLOCK = (
     bench_cases.ATTN_HEAD_DIM,
     bench_cases.BLOCK_SIZE,
 )
-# clef-flash's trunk (Qwen3.5-9B text): 8 x (3 Gated DeltaNet + 1 gated attention); a small vocabulary
-# (the step only embeds its ids).
-FLASH_TRUNK = TrunkConfig(
-    hidden_size=4096,
-    intermediate_size=12288,
-    layer_types=(LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,),
-    vocab_size=1024,
-    rms_norm_eps=1e-6,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=256,
-    rotary_dim=64,
-    rope_theta=1e7,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    tie_word_embeddings=False,
-)
-FLASH_TRUNK = dataclasses.replace(FLASH_TRUNK, layer_types=FLASH_TRUNK.layer_types * 8)
+# clef-flash's trunk (Qwen3.5-9B text): selfcheck_cost's layer shapes, 8 x (3 Gated DeltaNet + 1 gated
+# attention) layers; a small vocabulary (the step only embeds its ids).
+FLASH_TRUNK = dataclasses.replace(FLASH_LAYERS, layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 8)
 # Device time of a trunk step, grouped by kernel name (first match wins).
 KERNEL_GROUPS = [
     ("paged attention, tensor cores", r"paged_attention_wmma"),

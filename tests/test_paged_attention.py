@@ -265,6 +265,9 @@ def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
         dispatch(torch.bfloat16, kernel="wmma")
     with pytest.raises(ValueError, match="kernel must be 'auto', 'simt' or 'wmma'"):
         dispatch(kernel="tensor")
+    sim = Backend("sim", sim_ops, torch.device("cpu"))
+    with pytest.raises(ValueError, match="kernel='wmma' cannot run these arguments: the tensor-core kernel takes f16"):
+        attention_failures(sim, torch.float32, [(4, 1, 256, 16)], [(9, 9)], kernel="wmma")  # the op, before launching
 
 
 def test_the_launcher_runs_the_kernel_the_rule_names(sim_ops):

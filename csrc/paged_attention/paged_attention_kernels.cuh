@@ -177,8 +177,9 @@ struct WmmaCompiled<__nv_bfloat16> {
 };
 #endif
 
-// The launcher bounds the grid by the whole pack; the CTA with the lowest index takes the sequence's
-// last query tile, the heaviest under the causal mask, so long tiles start first.
+// Query tiles are handed out last first: CTAs start roughly in index order, and under the causal mask a
+// sequence's last tile attends the most keys, so the longest CTAs do not trail at the end of the grid.
+// (The grid is bounded by the whole pack; a tile past a sequence's queries exits at once.)
 CLEF_HD int wmma_query_tile(int grid_x, int block_x) { return grid_x - 1 - block_x; }
 
 template <typename T, int D>

@@ -161,6 +161,24 @@ PagedAttentionParams attention_params(const at::Tensor& query, const at::Tensor&
   return p;
 }
 
+// The kernel the CUDA launcher will run for p on query's device; a forced one that cannot run p raises
+// ValueError saying why (before any launch).
+AttentionKernel checked_cuda_choice(const PagedAttentionParams& p, const at::Tensor& query, const char* op) {
+#if defined(CLEF_WITH_CUDA) || defined(CLEF_CUDA_SIM)
+#ifdef CLEF_WITH_CUDA
+  c10::cuda::CUDAGuard guard(query.device());
+#endif
+  const AttentionChoice choice = paged_attention_cuda_choice(p, activation_kind(query, op, "query"));
+  TORCH_CHECK_VALUE(choice.error == nullptr, op, ": kernel='wmma' cannot run these arguments: ", choice.error);
+  return choice.kernel;
+#else
+  (void)p;
+  TORCH_CHECK(false, op, ": clef_cuda._C was built without CUDA kernels, so ", query.device(),
+              " tensors cannot run; rebuild it with a CUDA toolchain (README)");
+  return AttentionKernel::Simt;  // not reached
+#endif
+}
+
 }  // namespace
 
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -180,6 +198,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   TORCH_CHECK_VALUE(p.kernel == AttentionKernel::Auto || runs_cuda_launcher(query), op, ": kernel='",
                     std::string(kernel), "' picks a CUDA kernel, but ", query.device(),
                     " tensors run the CPU implementation (pass kernel='auto')");
+  if (p.kernel == AttentionKernel::Wmma) checked_cuda_choice(p, query, op);
   run_on_device(
       query, op, [&](void* stream) { return paged_attention_cuda(p, kind, stream); },
       [&] { paged_attention_cpu(p, kind); });
@@ -192,19 +211,9 @@ std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& 
   const char* op = "paged_attention_dispatch";
   PagedAttentionParams p =
       attention_params(query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, op);
-  const ScalarKind kind = activation_kind(query, op, "query");
   p.kernel = parse_kernel(kernel, op);
   if (!runs_cuda_launcher(query)) return "cpu";
-#if defined(CLEF_WITH_CUDA) || defined(CLEF_CUDA_SIM)
-#ifdef CLEF_WITH_CUDA
-  c10::cuda::CUDAGuard guard(query.device());
-#endif
-  const AttentionChoice choice = paged_attention_cuda_choice(p, kind);
-  TORCH_CHECK_VALUE(choice.error == nullptr, op, ": kernel='", std::string(kernel), "' cannot run here: ", choice.error);
-  return choice.kernel == AttentionKernel::Wmma ? "wmma" : "simt";
-#else
-  TORCH_CHECK(false, op, ": clef_cuda._C was built without CUDA kernels; rebuild it with a CUDA toolchain (README)");
-#endif
+  return checked_cuda_choice(p, query, op) == AttentionKernel::Wmma ? "wmma" : "simt";
 }
 
 }  // namespace clef
