@@ -235,12 +235,18 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
 
   // The mapping of accumulator elements to lanes is unspecified, but load, mma and store agree on it:
   // a fragment loaded from a tile holding each element's row index tells every lane the row of each of
-  // its elements, which the per-row softmax rescaling of O needs. Built in the warp's own score rows.
+  // its elements, which the per-row softmax rescaling of O needs. Built in the warp's own score rows,
+  // kept as 4 bits per element (one register on a GPU: D = 256 needs every other one for O).
   float* warp_s = s_s + 16 * warp * SS;
   for (int e = lane; e < 256; e += 32) warp_s[e] = static_cast<float>(e / 16);
   __syncwarp();
-  Accumulator row_of;
-  wmma::load_matrix_sync(row_of, warp_s, 16, wmma::mem_row_major);
+  unsigned rows_of[(ELEMS + 7) / 8] = {};
+  {
+    Accumulator row_index;
+    wmma::load_matrix_sync(row_index, warp_s, 16, wmma::mem_row_major);
+#pragma unroll
+    for (int i = 0; i < ELEMS; ++i) rows_of[i / 8] |= static_cast<unsigned>(row_index.x[i]) << (4 * (i % 8));
+  }
   __syncwarp();
 
   // Keys the CTA may need (up to the causal position of its last token) and the ones this warp's rows
@@ -282,38 +288,36 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
     __syncthreads();
     if (!warp_live || k0 >= warp_kv_end) continue;  // uniform over the warp
 
-    // S = Q K^T for the warp's 16 rows: K is [key][d] in shared memory, i.e. K^T read column-major.
-    {
-      Accumulator scores[K_TILES];
-#pragma unroll
-      for (int j = 0; j < K_TILES; ++j) wmma::fill_fragment(scores[j], 0.0f);
-#pragma unroll
+    // S = Q K^T for the warp's 16 rows: K is [key][d] in shared memory, i.e. K^T read column-major. One
+    // 16-key tile at a time, so that next to O (128 registers at D = 256) only one score tile is live.
+#pragma unroll 1
+    for (int j = 0; j < K_TILES; ++j) {
+      Accumulator scores;
+      wmma::fill_fragment(scores, 0.0f);
+#pragma unroll 4
       for (int t = 0; t < D_TILES; ++t) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> q_frag;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> k_frag;
         wmma::load_matrix_sync(q_frag, q_s + 16 * warp * RS + 16 * t, RS);
-#pragma unroll
-        for (int j = 0; j < K_TILES; ++j) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> k_frag;
-          wmma::load_matrix_sync(k_frag, k_s + 16 * j * RS + 16 * t, RS);
-          wmma::mma_sync(scores[j], q_frag, k_frag, scores[j]);
-        }
+        wmma::load_matrix_sync(k_frag, k_s + 16 * j * RS + 16 * t, RS);
+        wmma::mma_sync(scores, q_frag, k_frag, scores);
       }
-#pragma unroll
-      for (int j = 0; j < K_TILES; ++j) wmma::store_matrix_sync(warp_s + 16 * j, scores[j], SS, wmma::mem_row_major);
+      wmma::store_matrix_sync(warp_s + 16 * j, scores, SS, wmma::mem_row_major);
     }
     __syncwarp();
 
-    // Online softmax in fp32 (scale applied to the fp32 scores, not to the 2-byte queries).
+    // Online softmax in fp32 (scale applied to the fp32 scores, not to the 2-byte queries). A key the row
+    // may not attend scores kNegInf, which no real score comes near (|q.k| < 2^40 in f16/bf16), and the
+    // exp pass turns it into 0.
     float score[KEYS_PER_LANE];
-    bool live[KEYS_PER_LANE];
     float tile_max = kNegInf;
 #pragma unroll
     for (int m = 0; m < KEYS_PER_LANE; ++m) {
       const int kk = half + 2 * m;
       const bool in_tile = offsets[kk] >= 0;
-      live[m] = CLEF_FAULT(wmma_skip_causal_mask, in_tile && k0 + kk <= row_pos, in_tile);
-      score[m] = s_s[row * SS + kk] * p.scale;
-      if (live[m]) tile_max = max_f32(tile_max, score[m]);
+      const bool live = CLEF_FAULT(wmma_skip_causal_mask, in_tile && k0 + kk <= row_pos, in_tile);
+      score[m] = live ? s_s[row * SS + kk] * p.scale : kNegInf;
+      tile_max = max_f32(tile_max, score[m]);
     }
     tile_max = group_max<2>(tile_max);
     const SoftmaxStep step = softmax_step(m_run, tile_max);
@@ -324,7 +328,7 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
     for (int m = 0; m < KEYS_PER_LANE; ++m) {
       // Rounded once to the cache dtype for the tensor cores; the row sum adds the rounded values, so
       // the weights that multiply V are exactly the ones that normalise the row.
-      const T prob = from_f32<T>(live[m] ? exp_f32(score[m] - step.m) : 0.0f);
+      const T prob = from_f32<T>(score[m] > kNegInf ? exp_f32(score[m] - step.m) : 0.0f);
       p_row[half + 2 * m] = prob;
       tile_sum += to_f32(prob);
     }
@@ -336,25 +340,26 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
 
     float alpha[ELEMS];
 #pragma unroll
-    for (int i = 0; i < ELEMS; ++i) alpha[i] = alpha_s[16 * warp + static_cast<int>(row_of.x[i])];
+    for (int i = 0; i < ELEMS; ++i) alpha[i] = alpha_s[16 * warp + ((rows_of[i / 8] >> (4 * (i % 8))) & 15u)];
 #pragma unroll
     for (int j = 0; j < D_TILES; ++j) {
 #pragma unroll
       for (int i = 0; i < ELEMS; ++i) acc[j].x[i] *= alpha[i];
     }
 
-    // O += P V: P [16 rows][KEYS] from the warp's score rows, V [key][d] row-major.
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> p_frag[K_TILES];
+    // O += P V: P [16 rows][KEYS] from the warp's score rows, V [key][d] row-major; one 16-key slice of P
+    // live at a time (an f16 fragment takes 8 registers on every arch).
     const T* p_warp = reinterpret_cast<const T*>(warp_s);
+#pragma unroll 1
+    for (int t = 0; t < K_TILES; ++t) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> p_frag;
+      wmma::load_matrix_sync(p_frag, p_warp + 16 * t, PS);
+      const T* v_rows = v_s + 16 * CLEF_FAULT(wmma_tile_offset, t, t ^ 1) * RS;
 #pragma unroll
-    for (int t = 0; t < K_TILES; ++t) wmma::load_matrix_sync(p_frag[t], p_warp + 16 * t, PS);
-#pragma unroll
-    for (int j = 0; j < D_TILES; ++j) {
-#pragma unroll
-      for (int t = 0; t < K_TILES; ++t) {
+      for (int j = 0; j < D_TILES; ++j) {
         wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> v_frag;
-        wmma::load_matrix_sync(v_frag, v_s + 16 * CLEF_FAULT(wmma_tile_offset, t, t ^ 1) * RS + 16 * j, RS);
-        wmma::mma_sync(acc[j], p_frag[t], v_frag, acc[j]);
+        wmma::load_matrix_sync(v_frag, v_rows + 16 * j, RS);
+        wmma::mma_sync(acc[j], p_frag, v_frag, acc[j]);
       }
     }
   }
