@@ -307,8 +307,8 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
     __syncwarp();
 
     // Online softmax in fp32 (scale applied to the fp32 scores, not to the 2-byte queries). A key the row
-    // may not attend scores kNegInf, which no real score comes near (|q.k| < 2^40 in f16/bf16), and the
-    // exp pass turns it into 0.
+    // may not attend scores kNegInf (-1e30), which the exp pass turns into 0; real scores are assumed
+    // above it, as the running max's starting value (hd.h) already assumes in both kernels.
     float score[KEYS_PER_LANE];
     float tile_max = kNegInf;
 #pragma unroll
