@@ -38,7 +38,9 @@ WMMA_SEQUENCES = {
     "cuda": SEQUENCES["cuda"] + [(300, 1000)],
     "sim": [(9, 9), (3, 40), (1, 17), (20, 70)],
 }
-WMMA_FAULTS = ("wmma_skip_causal_mask", "wmma_tile_offset")  # CLEF_FAULT points of the tensor-core kernel
+# CLEF_FAULT points of the tensor-core kernel: its causal mask skipped; P V reading the wrong 16-key
+# sub-tile of V; the softmax rescale assuming an element-to-lane mapping (which the simulator scrambles).
+WMMA_FAULTS = ("wmma_skip_causal_mask", "wmma_tile_offset", "wmma_assumes_element_order")
 
 
 @pytest.fixture(params=["sim"] + (["cuda"] if cuda_available() else []))
@@ -138,8 +140,8 @@ def test_wmma_kernel_matches_reference(cuda_kernels, dtype):
 
 @pytest.mark.parametrize("fault", WMMA_FAULTS)
 def test_the_wmma_tests_catch_an_injected_fault(sim_ops, fault):
-    """The tensor-core kernel with one test-only bug (its causal mask skipped; the P V product reading
-    the wrong 16-key sub-tile of V) fails test_wmma_kernel_matches_reference in every configuration."""
+    """The tensor-core kernel with one test-only bug (WMMA_FAULTS) fails test_wmma_kernel_matches_reference
+    in every configuration."""
     sim = Backend("sim", sim_ops, torch.device("cpu"))
     with simulated(fault=fault):
         failures = attention_failures(sim, torch.float16, WMMA_HEADS["sim"], WMMA_SEQUENCES["sim"], kernel="wmma")

@@ -340,7 +340,11 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
 
     float alpha[ELEMS];
 #pragma unroll
-    for (int i = 0; i < ELEMS; ++i) alpha[i] = alpha_s[16 * warp + ((rows_of[i / 8] >> (4 * (i % 8))) & 15u)];
+    for (int i = 0; i < ELEMS; ++i) {
+      // (The fault: assuming the simulator's 256 elements are in row-major order, as no GPU lays them out.)
+      const unsigned r = CLEF_FAULT(wmma_assumes_element_order, (rows_of[i / 8] >> (4 * (i % 8))) & 15u, i / 16);
+      alpha[i] = alpha_s[16 * warp + r];
+    }
 #pragma unroll
     for (int j = 0; j < D_TILES; ++j) {
 #pragma unroll
