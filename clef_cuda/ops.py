@@ -207,12 +207,15 @@ class OpLibrary:
         *,
         scale: float | None = None,
         out: Tensor | None = None,
+        kernel: str = "auto",
     ) -> Tensor:
         """Attention of packed new queries over each sequence's cached context (write it first).
 
         query [N, Hq, D] (Hq a multiple of Hkv), caches [num_blocks, block_size, Hkv, D],
         cu_seqlens_q [B+1], context_lens [B] (cached keys, new ones included), block_tables [B, max_blocks].
         Query i of a sequence with q_len queries attends keys [0, context_len - q_len + i]. -> out [N, Hq, D].
+        kernel: "auto" (the dispatch rule; see paged_attention_dispatch), or "wmma" / "simt" to force the
+        tensor-core or the SIMT CUDA kernel (benchmarks, tests; CUDA tensors only).
         """
         query = _last_dim_contiguous(query)
         if out is None:
@@ -226,8 +229,38 @@ class OpLibrary:
             _int32(block_tables),
             float(query.shape[-1] ** -0.5 if scale is None else scale),
             out,
+            kernel,
         )
         return out
+
+    def paged_attention_dispatch(
+        self,
+        query: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        cu_seqlens_q: Tensor,
+        context_lens: Tensor,
+        block_tables: Tensor,
+        *,
+        kernel: str = "auto",
+    ) -> str:
+        """Which kernel paged_attention runs for these arguments: "wmma" (tensor cores), "simt" or "cpu".
+
+        On a GPU: "wmma" for f16 (sm_70+) or bf16 (sm_80+) caches, head dims 64/128/256, 16-byte aligned
+        query rows and caches, when the pack averages at least 16 query rows (tokens x query heads per KV
+        head) per sequence; "simt" otherwise (fp32, other head dims, decode packs). A forced kernel that
+        cannot run the arguments raises ValueError saying why.
+        """
+        query = _last_dim_contiguous(query)
+        return self._ops.paged_attention_dispatch(
+            query,
+            key_cache,
+            value_cache,
+            _int32(cu_seqlens_q),
+            _int32(context_lens),
+            _int32(block_tables),
+            kernel,
+        )
 
 
 def _register_fake_kernels(namespace: str) -> None:
@@ -253,3 +286,4 @@ gated_delta_rule_chunk = _default.gated_delta_rule_chunk
 gated_delta_rule_recurrent = _default.gated_delta_rule_recurrent
 reshape_and_cache = _default.reshape_and_cache
 paged_attention = _default.paged_attention
+paged_attention_dispatch = _default.paged_attention_dispatch

@@ -225,10 +225,12 @@ def paged_attention(
     *,
     scale: float | None = None,
     out: Tensor | None = None,
+    kernel: str = "auto",
 ) -> Tensor:
     """query [N, Hq, D], caches [num_blocks, block_size, Hkv, D], cu_seqlens_q [B+1], context_lens [B],
     block_tables [B, max_blocks] -> out [N, Hq, D]. Query i of a sequence with L queries and context C
-    attends keys [0, C - L + i]; query head h reads KV head h // (Hq/Hkv)."""
+    attends keys [0, C - L + i]; query head h reads KV head h // (Hq/Hkv). `kernel` (which CUDA kernel
+    the op runs) is accepted for the op's signature; the reference has one implementation."""
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     group = num_q_heads // key_cache.shape[2]
     scale = head_dim**-0.5 if scale is None else scale

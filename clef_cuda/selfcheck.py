@@ -12,7 +12,8 @@ clef_cuda.reference on the same inputs:
 - gated_delta_rule_chunk over a sequence longer than the reference's 64-token chunk, with initial states
   and Hv = r Hk as configured, and the states it leaves; gated_delta_rule_recurrent;
 - reshape_and_cache, then paged_attention over a cached prefix plus a new chunk, a fresh prefill and a
-  decode token, GQA at the model's head dim;
+  decode token, GQA at the model's head dim (on a GPU in f16, or bf16 from sm_80, at head dims 64/128/256
+  this pack runs the tensor-core kernel), and a pack of decode tokens only (the SIMT kernel on a GPU);
 - one real delta-net layer and one real attention layer of the loaded weights (their mixers, over two
   prefill steps so the second continues from the first's caches), through the ops vs the references.
 
@@ -323,8 +324,14 @@ class _SelfCheck:
     # ---- paged KV cache ----------------------------------------------------------------------------
     def paged_attention(self) -> list[Check]:
         """Three sequences in one pack: a new chunk after a cached prefix, a fresh prefill, one decode
-        token. Their blocks are scattered through a pool whose other blocks (and the unused tails of
-        partly filled ones) are NaN: reading anything outside a context fails the check."""
+        token; then the first and last again as a pack of one decode token each. Their blocks are
+        scattered through a pool whose other blocks (and the unused tails of partly filled ones) are NaN:
+        reading anything outside a context fails the check.
+
+        On a GPU the two packs reach both CUDA kernels, as serving does: the first averages at least 16
+        query rows (tokens x query heads per KV head) per sequence at clef-flash's GQA 4, so in f16 (bf16
+        from sm_80) at head dims 64/128/256 it runs the tensor-core kernel; the decode pack runs the SIMT
+        kernel, as a step of one-token final chunks does (ops.paged_attention_dispatch has the rule)."""
         c, bs = self.config, self.block_size
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         contexts = (ATTENTION_PREFIX + ATTENTION_CHUNK, ATTENTION_FRESH, ATTENTION_DECODE_CONTEXT + 1)
@@ -366,6 +373,14 @@ class _SelfCheck:
             rows = slice(start, start + count)
             checks.append(self.compare(f"paged_attention.{case}", out[rows], expected[rows], self.rtol))
             start += count
+
+        # The last position of sequences 0 and 2 as one-token sequences (their whole context is cached).
+        decode_query = query[[ATTENTION_CHUNK - 1, sum(new_tokens) - 1]]
+        decode_args = (self.cu_seqlens([1, 1]), lengths[[0, 2]], block_tables[[0, 2]])
+        out = torch.full(decode_query.shape, float("nan"), dtype=self.dtype, device=self.device)
+        self.ops.paged_attention(decode_query, key_cache, value_cache, *decode_args, out=out)
+        expected = reference.paged_attention(decode_query, expected_keys, expected_values, *decode_args)
+        checks.append(self.compare("paged_attention.decode_pack", out, expected, self.rtol))
         return checks
 
     # ---- real layers ---------------------------------------------------------------------------------

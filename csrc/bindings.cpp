@@ -42,7 +42,10 @@ CLEF_LIBRARY(CLEF_NS, m) {
       "Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
-      "Tensor context_lens, Tensor block_tables, float scale, Tensor(a!) out) -> ()");
+      "Tensor context_lens, Tensor block_tables, float scale, Tensor(a!) out, str kernel=\"auto\") -> ()");
+  m.def(
+      "paged_attention_dispatch(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
+      "Tensor context_lens, Tensor block_tables, str kernel=\"auto\") -> str");
 }
 
 #define CLEF_REGISTER_IMPLS(m)                                          \
@@ -51,7 +54,8 @@ CLEF_LIBRARY(CLEF_NS, m) {
   m.impl("gated_delta_rule_chunk", &clef::gated_delta_rule_chunk);      \
   m.impl("gated_delta_rule_recurrent", &clef::gated_delta_rule_recurrent); \
   m.impl("reshape_and_cache", &clef::reshape_and_cache);                \
-  m.impl("paged_attention", &clef::paged_attention);
+  m.impl("paged_attention", &clef::paged_attention);                    \
+  m.impl("paged_attention_dispatch", &clef::paged_attention_dispatch);
 
 CLEF_LIBRARY_IMPL(CLEF_NS, CPU, m) { CLEF_REGISTER_IMPLS(m) }
 

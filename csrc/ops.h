@@ -5,6 +5,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
+
+#include <c10/util/string_view.h>
 
 namespace clef {
 
@@ -26,6 +29,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const at::Tensor& slot_mapping);
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
-                     double scale, at::Tensor& out);
+                     double scale, at::Tensor& out, c10::string_view kernel);
+// Which kernel paged_attention would run for these arguments: "wmma", "simt" or "cpu" (kernel: "auto",
+// or a forced one, which raises when it cannot run them).
+std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& cu_seqlens_q,
+                                     const at::Tensor& context_lens, const at::Tensor& block_tables,
+                                     c10::string_view kernel);
 
 }  // namespace clef

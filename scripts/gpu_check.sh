@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check: one command for a lent GPU machine (budget: under 8 minutes on an H200). Builds the
-# extension for the local arch, runs the whole test suite (the CUDA backend joins every op test when a GPU
-# is present), runs the on-device self-check in each dtype, then times the ops; the table is printed last
-# and written to $OUT/gpu_table.md.
+# extension for the local arch; runs the op tests on the GPU first with CUDA_LAUNCH_BLOCKING=1 (a fault is
+# raised by the op that caused it) and then under compute-sanitizer (memcheck on the op tests, racecheck on
+# the tensor-core attention kernel's); runs the whole test suite (the CUDA backend joins every op test when
+# a GPU is present) and the on-device self-check in each dtype; then times the ops ($OUT/gpu_table.md) and
+# attention prefill, our WMMA and SIMT kernels against SDPA's backends plus one trunk step split by op
+# ($OUT/attention_table.md, printed last).
 #
 # The device machine has no network. Prepare its Python packages here first (they travel with the tree):
 #   pip download -d .cache/wheelhouse --only-binary=:all: --python-version 3.12 \
@@ -33,6 +36,36 @@ CLEF_CUDA_BUILD=cuda TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=$(nproc) \
   $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tee "$OUT/build.log" | grep -v Warning || true
 $PY -c "import clef_cuda; info = clef_cuda.build_info(); print(info); assert info['variant'] == 'cuda'"
 
+# The op tests' GPU cases (the simulator's run in the whole suite below).
+OP_TESTS="tests/test_paged_attention.py tests/test_conv1d.py tests/test_gated_delta_rule.py tests/test_key_band.py"
+step "op tests on the GPU, CUDA_LAUNCH_BLOCKING=1 (a kernel fault is raised by the op that caused it)"
+set +e
+CUDA_LAUNCH_BLOCKING=1 $PY -m pytest $OP_TESTS -q -p no:cacheprovider -k "cuda and not sim" 2>&1 \
+  | tee "$OUT/op_tests_blocking.log" | tail -5
+blocking_status=${PIPESTATUS[0]}
+set -e
+
+step "compute-sanitizer: memcheck on the op tests, racecheck on the tensor-core attention kernel"
+sanitizer=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+sanitizer_status=0
+if [ -x "$sanitizer" ]; then
+  set +e
+  # Without torch's caching allocator every tensor is its own allocation, so memcheck sees any read past one.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
+    $PY -m pytest $OP_TESTS -q -p no:cacheprovider -k "cuda and not sim" 2>&1 | tee "$OUT/memcheck.log" | tail -5
+  memcheck_status=${PIPESTATUS[0]}
+  timeout 150 "$sanitizer" --tool racecheck --error-exitcode 3 --print-limit 20 \
+    $PY -m pytest tests/test_paged_attention.py -q -p no:cacheprovider \
+    -k "cuda and (wmma_custom_scale or wmma_chunked)" 2>&1 | tee "$OUT/racecheck.log" | tail -5
+  racecheck_status=${PIPESTATUS[0]}
+  set -e
+  [ "$memcheck_status" = 0 ] && [ "$racecheck_status" = 0 ] || sanitizer_status=1
+  echo "memcheck exit $memcheck_status, racecheck exit $racecheck_status (124: timed out)"
+else
+  echo "compute-sanitizer not found (looked on PATH and in $CUDA_HOME/bin): skipped"
+  sanitizer_status=skipped
+fi
+
 step "tests (cpu, simulated and real CUDA backends)"
 set +e
 $PY -m pytest tests -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
@@ -47,10 +80,17 @@ for dtype in f16 bf16 f32; do
 done
 $PY benchmarks/selfcheck_cost.py --device cuda --dtype f16 2>&1 | tail -8 | tee -a "$OUT/selfcheck.log" || true
 
-step "benchmarks"
-rm -f "$OUT/gpu_table.md"
+step "benchmarks: the ops"
+rm -f "$OUT/gpu_table.md" "$OUT/attention_table.md"
 $PY benchmarks/kernel_table.py --device cuda --markdown "$OUT/gpu_table.md" 2>&1 | grep -v "^|" | grep -v "^###" || true
 
-step "done: tests $([ "$tests_status" = 0 ] && echo passed || echo FAILED, see $OUT/tests.log); self-check $([ "$selfcheck_status" = 0 ] && echo passed || echo FAILED, see $OUT/selfcheck.log); the table:"
-cat "$OUT/gpu_table.md"
-[ "$tests_status" = 0 ] && [ "$selfcheck_status" = 0 ]
+step "benchmarks: attention prefill (WMMA, SIMT, SDPA flash / mem-efficient / math) and a trunk step by op"
+$PY benchmarks/attention_table.py --device cuda --markdown "$OUT/attention_table.md" 2>&1 \
+  | grep -v "^|" | grep -v "^###" || true
+
+verdict() { [ "$1" = 0 ] && echo passed || { [ "$1" = skipped ] && echo skipped || echo "FAILED, see $2"; }; }
+step "done: op tests (blocking) $(verdict "$blocking_status" "$OUT/op_tests_blocking.log"); sanitizer $(verdict "$sanitizer_status" "$OUT/memcheck.log, racecheck.log"); tests $(verdict "$tests_status" "$OUT/tests.log"); self-check $(verdict "$selfcheck_status" "$OUT/selfcheck.log"); the tables:"
+cat "$OUT/gpu_table.md" 2>/dev/null || echo "(no ops table: see above)"
+echo
+cat "$OUT/attention_table.md" 2>/dev/null || echo "(no attention table: see above)"
+[ "$blocking_status" = 0 ] && [ "$sanitizer_status" != 1 ] && [ "$tests_status" = 0 ] && [ "$selfcheck_status" = 0 ]

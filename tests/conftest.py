@@ -7,6 +7,7 @@ test-only simulator in tests/cuda_sim; small shapes only, every CUDA thread is a
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -43,6 +44,21 @@ def sim_ops():
     from build import load_cuda_sim
 
     return load_cuda_sim()
+
+
+@contextlib.contextmanager
+def simulated(compute_capability: int | None = None, fault: str | None = None):
+    """The simulator's device set to a compute capability and/or with a test-only fault on, then restored."""
+    sim = torch.ops.clef_sim
+    saved_cc = sim.set_compute_capability(compute_capability) if compute_capability else None
+    saved_fault = sim.set_fault(fault) if fault else None
+    try:
+        yield
+    finally:
+        if saved_cc is not None:
+            sim.set_compute_capability(saved_cc)
+        if saved_fault is not None:
+            sim.set_fault(saved_fault)
 
 
 BACKENDS = ["cpu", "sim"] + (["cuda"] if cuda_available() else [])

@@ -1,11 +1,16 @@
-"""reshape_and_cache / paged_attention: fast ops vs reference; reference vs torch's attention."""
+"""reshape_and_cache / paged_attention: fast ops vs reference; reference vs torch's attention.
+
+paged_attention has two CUDA kernels, tensor-core (WMMA) and SIMT; the simulator (and a GPU, where there is
+one) runs each of them forced over the awkward shapes, the dispatch rule between them is checked on the
+simulated device, and test-only faults injected into the tensor-core kernel show that these tests fail.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TOLERANCE, qwen35_module, rel_err
+from conftest import TOLERANCE, Backend, cuda_available, qwen35_module, rel_err, simulated
 from packing import cu_seqlens_of, nan_like
 
 from clef_cuda import reference
@@ -23,6 +28,34 @@ HEADS = {
     "cuda": [(16, 4, 256, 16), (8, 8, 64, 32), (4, 2, 128, 16), (8, 1, 16, 8)],
     "sim": [(4, 1, 256, 16), (4, 2, 64, 8), (2, 2, 16, 4)],
 }
+# The tensor-core kernel's head dims, with GQA 4, 2, 1 and 8 or 16 (64-row tiles of 16, 32, 64 and 8 or 4
+# tokens); in the simulator a chunk after a cached prefix that spans two query tiles and three key tiles.
+WMMA_HEADS = {
+    "cuda": [(16, 4, 256, 16), (8, 8, 64, 32), (4, 2, 128, 16), (16, 1, 128, 16)],
+    "sim": [(4, 1, 256, 16), (4, 2, 64, 8), (2, 2, 128, 4), (16, 2, 64, 16)],
+}
+WMMA_SEQUENCES = {
+    "cuda": SEQUENCES["cuda"] + [(300, 1000)],
+    "sim": [(9, 9), (3, 40), (1, 17), (20, 70)],
+}
+# CLEF_FAULT points of the tensor-core kernel: its causal mask skipped; P V reading the wrong 16-key
+# sub-tile of V; the softmax rescale assuming an element-to-lane mapping (which the simulator scrambles).
+WMMA_FAULTS = ("wmma_skip_causal_mask", "wmma_tile_offset", "wmma_assumes_element_order")
+
+
+@pytest.fixture(params=["sim"] + (["cuda"] if cuda_available() else []))
+def cuda_kernels(request) -> Backend:
+    """The backends that run the CUDA kernels: the simulator and, where there is one, the GPU."""
+    from clef_cuda import ops
+
+    if request.param == "cuda":
+        return Backend("cuda", ops._default, torch.device("cuda"))
+    return Backend("sim", request.getfixturevalue("sim_ops"), torch.device("cpu"))
+
+
+def skip_without_bf16_tensor_cores(backend: Backend, dtype: torch.dtype) -> None:
+    if backend.name == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 tensor cores need sm_80 (this GPU runs bf16 on the SIMT kernel)")
 
 
 def make_cache(sequences, hkv, d, block_size, dtype, device, spare_blocks=3):
@@ -61,23 +94,59 @@ def packed_queries(sequences, hq, d, dtype, device):
     return q_and_gate[:, :, :d]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_attention_matches_reference(backend, dtype):
-    sequences = SEQUENCES[backend.name]
-    for hq, hkv, d, block_size in HEADS[backend.name]:
+def attention_failures(backend, dtype, heads, sequences, kernel="auto") -> list[str]:
+    """paged_attention vs the reference for each head configuration over one pack of `sequences`;
+    what went wrong for each configuration that does not match (empty: all match)."""
+    failures = []
+    for hq, hkv, d, block_size in heads:
         key_cache, value_cache, block_tables = make_cache(sequences, hkv, d, block_size, dtype, backend.device)
         fill_context(sequences, key_cache, value_cache, block_tables, dtype, backend.device)
         query = packed_queries(sequences, hq, d, dtype, backend.device)
         cu = cu_seqlens_of([q for q, _ in sequences], backend.device)
         context_lens = torch.tensor([c for _, c in sequences], dtype=torch.int32, device=backend.device)
-        out = backend.ops.paged_attention(
-            query, key_cache, value_cache, cu, context_lens, block_tables, out=nan_like(query.contiguous())
-        )
+        out = nan_like(query.contiguous())
+        caches = (key_cache, value_cache)
+        backend.ops.paged_attention(query, *caches, cu, context_lens, block_tables, out=out, kernel=kernel)
         expected = reference.paged_attention(
             query.cpu(), key_cache.cpu(), value_cache.cpu(), cu.cpu(), context_lens.cpu(), block_tables.cpu()
         )
-        assert torch.isfinite(out).all(), (hq, hkv, d, "read outside a context or left an output unwritten")
-        assert rel_err(out, expected) < TOLERANCE[dtype], (hq, hkv, d)
+        if not torch.isfinite(out).all():
+            failures.append(f"{(hq, hkv, d, block_size)}: read outside a context or left an output unwritten")
+        elif rel_err(out, expected) >= TOLERANCE[dtype]:
+            failures.append(f"{(hq, hkv, d, block_size)}: relative error {rel_err(out, expected):.2e}")
+    return failures
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_attention_matches_reference(backend, dtype):
+    """The op as the trunk calls it (on a GPU, or in the simulator: the kernel the dispatch rule picks)."""
+    assert not attention_failures(backend, dtype, HEADS[backend.name], SEQUENCES[backend.name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_simt_kernel_matches_reference(cuda_kernels, dtype):
+    heads, sequences = HEADS[cuda_kernels.name], SEQUENCES[cuda_kernels.name]
+    assert not attention_failures(cuda_kernels, dtype, heads, sequences, kernel="simt")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_wmma_kernel_matches_reference(cuda_kernels, dtype):
+    """Tensor cores over unaligned context lengths, block sizes 4..32, GQA 1..16, chunks after a cached
+    prefix and NaN in every unused cache slot (and, in the simulator, in unwritten shared memory)."""
+    skip_without_bf16_tensor_cores(cuda_kernels, dtype)
+    heads, sequences = WMMA_HEADS[cuda_kernels.name], WMMA_SEQUENCES[cuda_kernels.name]
+    assert not attention_failures(cuda_kernels, dtype, heads, sequences, kernel="wmma")
+
+
+@pytest.mark.parametrize("fault", WMMA_FAULTS)
+def test_the_wmma_tests_catch_an_injected_fault(sim_ops, fault):
+    """The tensor-core kernel with one test-only bug (WMMA_FAULTS) fails test_wmma_kernel_matches_reference
+    in every configuration."""
+    sim = Backend("sim", sim_ops, torch.device("cpu"))
+    with simulated(fault=fault):
+        failures = attention_failures(sim, torch.float16, WMMA_HEADS["sim"], WMMA_SEQUENCES["sim"], kernel="wmma")
+    assert len(failures) == len(WMMA_HEADS["sim"]), failures
+    assert not attention_failures(sim, torch.float16, WMMA_HEADS["sim"][:1], WMMA_SEQUENCES["sim"], kernel="wmma")
 
 
 def test_custom_scale_and_empty_sequences(backend):
@@ -91,6 +160,21 @@ def test_custom_scale_and_empty_sequences(backend):
     out = backend.ops.paged_attention(query, key_cache, value_cache, cu, context_lens, block_tables, scale=0.05)
     expected = reference.paged_attention(query, key_cache, value_cache, cu, context_lens, block_tables, scale=0.05)
     assert rel_err(out, expected) < 1e-5
+
+
+def test_wmma_custom_scale_and_empty_sequences(cuda_kernels):
+    hq, hkv, d, block_size = WMMA_HEADS[cuda_kernels.name][1]
+    sequences = [(0, 5), (3, 7), (0, 0)]
+    key_cache, value_cache, block_tables = make_cache(sequences, hkv, d, block_size, torch.float16, cuda_kernels.device)
+    fill_context(sequences, key_cache, value_cache, block_tables, torch.float16, cuda_kernels.device)
+    query = torch.randn(3, hq, d, dtype=torch.float16, device=cuda_kernels.device)
+    cu = cu_seqlens_of([0, 3, 0], cuda_kernels.device)
+    context_lens = torch.tensor([5, 7, 0], dtype=torch.int32, device=cuda_kernels.device)
+    out = cuda_kernels.ops.paged_attention(
+        query, key_cache, value_cache, cu, context_lens, block_tables, scale=0.05, kernel="wmma"
+    )
+    expected = reference.paged_attention(query, key_cache, value_cache, cu, context_lens, block_tables, scale=0.05)
+    assert rel_err(out, expected) < TOLERANCE[torch.float16]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -109,34 +193,97 @@ def test_reshape_and_cache_matches_reference(backend, dtype):
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
-def test_chunked_prefill_and_decode_equal_full_causal_attention(backend):
-    """Writing a sequence's KV chunk by chunk and attending each chunk over the cache == one causal pass."""
-    hq, hkv, d, block_size = HEADS[backend.name][0]
-    total = 90 if backend.name != "sim" else 14
-    chunks = (40, 1, 33, 16) if backend.name != "sim" else (5, 1, 8)
-    key_cache, value_cache, block_tables = make_cache(
-        [(total, total)], hkv, d, block_size, torch.float32, backend.device
-    )
-    q = torch.randn(total, hq, d, device=backend.device)
-    k = torch.randn(total, hkv, d, device=backend.device)
-    v = torch.randn(total, hkv, d, device=backend.device)
+def chunked_attention(ops, device, dtype, heads, total, chunks, kernel="auto"):
+    """(each chunk's paged_attention over the cache written so far, concatenated; one causal SDPA pass in
+    fp32 over the same inputs)."""
+    hq, hkv, d, block_size = heads
+    key_cache, value_cache, block_tables = make_cache([(total, total)], hkv, d, block_size, dtype, device)
+    q = torch.randn(total, hq, d, device=device).to(dtype)
+    k = torch.randn(total, hkv, d, device=device).to(dtype)
+    v = torch.randn(total, hkv, d, device=device).to(dtype)
     pieces, start = [], 0
     for n in chunks:
         slots = torch.tensor(slots_of(block_tables[0].cpu(), range(start, start + n), block_size), dtype=torch.int32)
-        backend.ops.reshape_and_cache(
-            k[start : start + n], v[start : start + n], key_cache, value_cache, slots.to(backend.device)
-        )
-        ctx = torch.tensor([start + n], dtype=torch.int32, device=backend.device)
-        pieces.append(
-            backend.ops.paged_attention(
-                q[start : start + n], key_cache, value_cache, cu_seqlens_of([n], backend.device), ctx, block_tables
-            )
-        )
+        ops.reshape_and_cache(k[start : start + n], v[start : start + n], key_cache, value_cache, slots.to(device))
+        ctx = torch.tensor([start + n], dtype=torch.int32, device=device)
+        cu = cu_seqlens_of([n], device)
+        chunk = q[start : start + n]
+        pieces.append(ops.paged_attention(chunk, key_cache, value_cache, cu, ctx, block_tables, kernel=kernel))
         start += n
-    expected = F.scaled_dot_product_attention(
-        q.cpu().transpose(0, 1), k.cpu().transpose(0, 1), v.cpu().transpose(0, 1), is_causal=True, enable_gqa=True
-    ).transpose(0, 1)
-    assert rel_err(torch.cat(pieces), expected) < 1e-5
+    q, k, v = (t.cpu().float().transpose(0, 1) for t in (q, k, v))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(0, 1)
+    return torch.cat(pieces), expected
+
+
+def test_chunked_prefill_and_decode_equal_full_causal_attention(backend):
+    """Writing a sequence's KV chunk by chunk and attending each chunk over the cache == one causal pass."""
+    total = 90 if backend.name != "sim" else 14
+    chunks = (40, 1, 33, 16) if backend.name != "sim" else (5, 1, 8)
+    out, expected = chunked_attention(backend.ops, backend.device, torch.float32, HEADS[backend.name][0], total, chunks)
+    assert rel_err(out, expected) < 1e-5
+
+
+def test_wmma_chunked_prefill_and_decode_equal_full_causal_attention(cuda_kernels):
+    total = 90 if cuda_kernels.name != "sim" else 40
+    chunks = (40, 1, 33, 16) if cuda_kernels.name != "sim" else (17, 1, 22)
+    heads = WMMA_HEADS[cuda_kernels.name][0]
+    out, expected = chunked_attention(
+        cuda_kernels.ops, cuda_kernels.device, torch.float16, heads, total, chunks, kernel="wmma"
+    )
+    assert rel_err(out, expected) < TOLERANCE[torch.float16]
+
+
+# ---- which kernel: the dispatch rule ------------------------------------------------------------
+def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
+    """Tensor cores for f16 (sm_70+) and bf16 (sm_80+) at head dims 64/128/256 when the pack averages 16
+    query rows per sequence or more; the SIMT kernel for the rest; forcing works and says why it cannot."""
+
+    def dispatch(dtype=torch.float16, hq=16, hkv=4, d=256, q_lens=(13, 20), contexts=(50, 20), kernel="auto", wide=0):
+        sequences = list(zip(q_lens, contexts, strict=True))
+        key_cache, value_cache, block_tables = make_cache(sequences, hkv, d, 16, dtype, "cpu")
+        query = torch.randn(sum(q_lens), hq, d + wide, dtype=dtype)[:, :, wide:]
+        cu, ctx = cu_seqlens_of(list(q_lens)), torch.tensor(contexts, dtype=torch.int32)
+        return sim_ops.paged_attention_dispatch(query, key_cache, value_cache, cu, ctx, block_tables, kernel=kernel)
+
+    for cc in (70, 75, 80, 90):
+        with simulated(compute_capability=cc):
+            assert dispatch() == "wmma"  # clef-flash's shapes: a chunk after a prefix and a fresh prefill
+            assert dispatch(torch.bfloat16) == ("wmma" if cc >= 80 else "simt")
+            assert dispatch(torch.float32) == "simt"
+    assert [dispatch(d=d, hq=4, hkv=2) for d in (16, 32, 64, 128, 256)] == ["simt", "simt", "wmma", "wmma", "wmma"]
+    # 16 rows per sequence on average: at GQA 4, 4 tokens. Decode packs stay on SIMT.
+    assert dispatch(q_lens=(4, 4), contexts=(9, 4)) == "wmma"
+    assert dispatch(q_lens=(4, 3), contexts=(9, 4)) == "simt"
+    assert dispatch(q_lens=(1, 1, 1), contexts=(40, 17, 1)) == "simt"
+    assert dispatch(hq=2, hkv=2, d=128, q_lens=(16,), contexts=(16,)) == "wmma"
+    assert dispatch(hq=12, hkv=1, d=64) == "simt"  # GQA 12 does not divide the 64-row tile
+    assert dispatch(wide=1) == "simt"  # a query view 2 bytes off 16-byte alignment
+    assert dispatch(kernel="simt") == "simt" and dispatch(q_lens=(1,), contexts=(9,), kernel="wmma") == "wmma"
+    with pytest.raises(ValueError, match="f16 or bf16"):
+        dispatch(torch.float32, kernel="wmma")
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        dispatch(wide=1, kernel="wmma")
+    with simulated(compute_capability=70), pytest.raises(ValueError, match="sm_80"):
+        dispatch(torch.bfloat16, kernel="wmma")
+    with pytest.raises(ValueError, match="kernel must be 'auto', 'simt' or 'wmma'"):
+        dispatch(kernel="tensor")
+    sim = Backend("sim", sim_ops, torch.device("cpu"))
+    with pytest.raises(ValueError, match="kernel='wmma' cannot run these arguments: the tensor-core kernel takes f16"):
+        attention_failures(sim, torch.float32, [(4, 1, 256, 16)], [(9, 9)], kernel="wmma")  # the op, before launching
+
+
+def test_the_launcher_runs_the_kernel_the_rule_names(sim_ops):
+    """With the tensor-core kernel broken (a test-only fault), exactly the calls dispatched to it go wrong."""
+    sim = Backend("sim", sim_ops, torch.device("cpu"))
+    heads = [(4, 1, 256, 16)]
+    prefill, decode = [(9, 9), (7, 20)], [(1, 9), (1, 20), (1, 3)]
+    with simulated(fault="wmma_skip_causal_mask"):
+        assert attention_failures(sim, torch.float16, heads, prefill)  # auto -> wmma
+        assert not attention_failures(sim, torch.float16, heads, prefill, kernel="simt")
+        assert not attention_failures(sim, torch.float32, heads, prefill)  # auto -> simt
+        with simulated(compute_capability=70):
+            assert not attention_failures(sim, torch.bfloat16, heads, prefill)  # auto -> simt below sm_80
+    assert not attention_failures(sim, torch.float16, heads, decode)
 
 
 # ---- the reference against torch / transformers -------------------------------------------------
@@ -206,6 +353,8 @@ def _good_args():
         (dict(block_tables=torch.full((2, 4), -1, dtype=torch.int32)), ValueError, "is outside the cache's"),
         (dict(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)), ValueError, "must equal the number of tokens"),
         (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), ValueError, "block_tables must have shape"),
+        (dict(kernel="tensor"), ValueError, "kernel must be 'auto', 'simt' or 'wmma'"),
+        (dict(kernel="wmma"), ValueError, "picks a CUDA kernel, but cpu tensors run the CPU implementation"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, error, words):

@@ -11,9 +11,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import simulated
 from fastapi.testclient import TestClient
 from faults import KeyBandZeroedOps, OpFault
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,7 +25,7 @@ from app.server import ServerSettings, create_app
 from clef_cuda import Decider
 from clef_cuda.default_model import default_release
 from clef_cuda.engine import Engine, EngineConfig
-from clef_cuda.selfcheck import run_selfcheck
+from clef_cuda.selfcheck import _SelfCheck, run_selfcheck
 
 ROOT = Path(__file__).resolve().parents[1]
 OK = {"model": "clef-flash", "state": "Checkout fails for everyone.", "questions": {"outage": {"type": "noul"}}}
@@ -53,6 +55,7 @@ def test_healthy_kernels_pass_at_every_release_and_dtype(release, dtype):
     assert {"causal_conv1d_fwd.q", "causal_conv1d_fwd.k", "causal_conv1d_fwd.v", "causal_conv1d_update"} <= names
     assert {"gated_delta_rule_chunk", "gated_delta_rule_recurrent", "reshape_and_cache"} <= names
     assert {"paged_attention.prefix+chunk", "paged_attention.prefill", "paged_attention.decode"} <= names
+    assert "paged_attention.decode_pack" in names
     assert any(n.endswith(".delta_net") for n in names) and any(n.endswith(".attention") for n in names)
     assert report.device == "cpu" and report.dtype == str(dtype).removeprefix("torch.")
     assert all(c.tolerance > 0 for c in report.checks if c.name != "reshape_and_cache")
@@ -64,6 +67,26 @@ def test_the_cuda_kernels_pass_in_the_simulator(sim_ops):
     decider = load("upstream-tiny")
     report = run_selfcheck(decider.trunk.with_ops(sim_ops))
     assert report.passed, report.table()
+
+
+def test_the_attention_checks_guard_the_tensor_core_kernel(sim_ops):
+    """At clef-flash's attention shapes (16 / 4 heads x 256) in f16 on a simulated V100, the self-check's
+    attention group runs the tensor-core kernel for its mixed pack and the SIMT kernel for its decode pack:
+    it passes, and with the tensor-core kernel's causal mask skipped (a test-only fault) exactly the checks
+    that kernel served with more than one new token fail. (The test releases' head dim is 32, which the
+    tensor-core kernel does not tile, so the group runs on a stand-in trunk with clef-flash's shapes.)"""
+    flash = SimpleNamespace(num_attention_heads=16, num_key_value_heads=4, head_dim=256)
+    trunk = SimpleNamespace(ops=sim_ops, config=flash, dtype=torch.float16, embed=torch.empty(0))
+
+    def failing() -> set[str]:
+        checks = _SelfCheck(trunk, block_size=16, seed=0).paged_attention()
+        assert {c.name for c in checks} >= {"paged_attention.prefix+chunk", "paged_attention.decode_pack"}
+        return {c.name for c in checks if not c.passed}
+
+    with simulated(compute_capability=70):
+        assert failing() == set()
+        with simulated(fault="wmma_skip_causal_mask"):
+            assert failing() == {"paged_attention.prefix+chunk", "paged_attention.prefill"}
 
 
 # ---- injected faults -------------------------------------------------------------------------------

@@ -11,6 +11,20 @@
 #ifndef CLEF_DYNAMIC_SHARED
 #define CLEF_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #endif
+// Tensor-core tiles need their shared-memory base aligned (wmma::load_matrix_sync: 32 bytes).
+#ifndef CLEF_DYNAMIC_SHARED_ALIGNED
+#define CLEF_DYNAMIC_SHARED_ALIGNED(type, name, bytes) extern __shared__ __align__(bytes) type name[]
+#endif
+// Test-only fault injection points: CLEF_FAULT(name, good, faulty) is `good` in every real build. The CUDA
+// simulator (tests/cuda_sim) evaluates `faulty` instead while a test has switched fault `name` on, to
+// show that the tests catch that bug in the unmodified kernel.
+#ifndef CLEF_FAULT
+#define CLEF_FAULT(name, good, faulty) (good)
+#endif
+// The simulator checks the alignment a GPU would fault on; nothing to do on a GPU.
+#ifndef CLEF_CHECK_ALIGNED
+#define CLEF_CHECK_ALIGNED(ptr, bytes, what)
+#endif
 
 namespace clef {
 
@@ -27,6 +41,19 @@ __device__ __forceinline__ float group_max(float v) {
 #pragma unroll
   for (int offset = GROUP / 2; offset > 0; offset /= 2) v = max_f32(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
+}
+
+// 16-byte copies (8 f16/bf16 elements) between 16-byte aligned addresses: cache or query rows to
+// shared-memory tiles.
+__device__ __forceinline__ void copy16(void* dst, const void* src) {
+  CLEF_CHECK_ALIGNED(dst, 16, "16-byte store");
+  CLEF_CHECK_ALIGNED(src, 16, "16-byte load");
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+}
+
+__device__ __forceinline__ void zero16(void* dst) {
+  CLEF_CHECK_ALIGNED(dst, 16, "16-byte store");
+  *static_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
 }
 
 }  // namespace clef

@@ -12,6 +12,11 @@
 // Query i of sequence b sits at position context_len - q_len + i and attends keys [0, that position]:
 // causal inside the new chunk, everything in the cached prefix. One op serves prefill chunks, prefix-cache
 // hits (short q_len, long context) and decode (q_len = 1). Query head h reads KV head h / (Hq / Hkv).
+//
+// Two CUDA kernels serve paged_attention (paged_attention_kernels.cuh): a tensor-core one (WMMA, f16/bf16
+// caches, head dims 64/128/256) for prefill chunks and an fp32 SIMT one for everything else (fp32 caches,
+// other head dims, decode packs). paged_attention_choose_kernel below is the rule; the CPU tests and the
+// simulator run it as the GPU does.
 #pragma once
 
 #include "common/hd.h"
@@ -30,6 +35,10 @@ struct CacheWriteParams {
   int num_kv_heads = 0, head_dim = 0, block_size = 0, num_blocks = 0;
 };
 
+// Which CUDA kernel serves a paged_attention call. Auto applies paged_attention_choose_kernel; Simt and
+// Wmma force one (the op's `kernel` argument: benchmarks and tests time and verify both on one shape).
+enum class AttentionKernel : int { Auto = 0, Simt = 1, Wmma = 2 };
+
 struct PagedAttentionParams {
   const void* query = nullptr;
   int64_t query_token_stride = 0, query_head_stride = 0;
@@ -45,6 +54,7 @@ struct PagedAttentionParams {
   int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
   int block_size = 0, num_blocks = 0, max_blocks_per_seq = 0;
   float scale = 1.0f;
+  AttentionKernel kernel = AttentionKernel::Auto;
 };
 
 // Offset of (slot, kv head, d = 0) in a cache laid out [num_blocks, block_size, Hkv, D]; a slot is
@@ -110,6 +120,89 @@ CLEF_HD SoftmaxStep softmax_step(float m_old, float tile_max) {
   s.m = max_f32(m_old, tile_max);
   s.alpha = exp_f32(m_old - s.m);  // m_old = kNegInf (nothing seen yet) gives 0, or 1 if still nothing
   return s;
+}
+
+// ---- which kernel: the dispatch rule ------------------------------------------------------------
+// CTA tiles of the two kernels, in query rows (a row is one token x one query head of a KV group).
+constexpr int kAttnRows = 16;      // SIMT kernel
+constexpr int kWmmaWarps = 4;      // tensor-core kernel: one warp per 16 rows
+constexpr int kWmmaRows = 16 * kWmmaWarps;
+
+// SIMT kernel tiles (paged_attention_kernel): keys per shared-memory tile, 16 for D = 256 keeps the CTA
+// under sm_75's 64 KB of shared memory; its fp32 tiles need the opt-in above 48 KB at D = 256 (49.4 KB).
+template <int D>
+struct AttnTiling {
+  static constexpr int kKeys = D >= 256 ? 16 : 32;
+};
+
+template <int D>
+CLEF_HD constexpr int paged_attention_smem_floats() {
+  // q (padded rows) + k (padded rows) + v + probabilities + alpha + l, then the key offsets (int64).
+  constexpr int keys = AttnTiling<D>::kKeys;
+  return kAttnRows * (D + 1) + keys * (D + 1) + keys * D + kAttnRows * keys + 2 * kAttnRows + 2 * keys;
+}
+
+CLEF_HD bool paged_attention_wmma_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
+
+CLEF_HD bool aligned_16_bytes(const void* ptr) { return reinterpret_cast<unsigned long long>(ptr) % 16 == 0; }
+
+// Why the tensor-core kernel cannot run this call on a device of compute capability `cc` (70 = sm_70),
+// or nullptr when it can. It stages K/V tiles in the cache dtype and loads them 16 bytes at a time.
+CLEF_HD const char* paged_attention_wmma_unsupported(const PagedAttentionParams& p, ScalarKind kind, int cc) {
+  if (kind == ScalarKind::F32) return "the tensor-core kernel takes f16 or bf16 caches (fp32 runs the SIMT kernel)";
+  if (cc < 70) return "tensor cores need sm_70 or newer";
+  if (kind == ScalarKind::BF16 && cc < 80) return "bf16 tensor cores need sm_80 or newer (serve V100s in f16)";
+  if (!paged_attention_wmma_head_dim(p.head_dim)) return "the tensor-core kernel is compiled for head dims 64, 128 and 256";
+  if (p.num_kv_heads <= 0 || kWmmaRows % (p.num_q_heads / p.num_kv_heads) != 0)
+    return "the tensor-core kernel needs num_q_heads / num_kv_heads to divide its 64-row tile";
+  if (!aligned_16_bytes(p.query) || p.query_token_stride % 8 != 0 || p.query_head_stride % 8 != 0 ||
+      !aligned_16_bytes(p.key_cache) || !aligned_16_bytes(p.value_cache))
+    return "the tensor-core kernel needs 16-byte aligned query rows and caches (query strides multiples of 8)";
+  return nullptr;
+}
+
+// The rule. Tensor cores whenever they can run the call and the pack averages at least one SIMT tile
+// (16 rows) per sequence: prefill chunks and prefix-cache hits (G = 4: 4 tokens or more per sequence).
+// Packs of decode tokens stay on the SIMT kernel, whose 16-row tile wastes less of its work on padding
+// rows than the 64-row tensor-core tile. A forced kernel is returned as asked (the launcher reports why
+// a forced Wmma cannot run).
+CLEF_HD AttentionKernel paged_attention_choose_kernel(const PagedAttentionParams& p, ScalarKind kind, int cc) {
+  if (p.kernel != AttentionKernel::Auto) return p.kernel;
+  if (paged_attention_wmma_unsupported(p, kind, cc) != nullptr) return AttentionKernel::Simt;
+  const int64_t rows = p.num_tokens * (p.num_q_heads / p.num_kv_heads);
+  return rows >= static_cast<int64_t>(kAttnRows) * p.batch ? AttentionKernel::Wmma : AttentionKernel::Simt;
+}
+
+// Shared-memory layout of the tensor-core kernel, in bytes from the (128-byte aligned) base. Q, K and V
+// tiles are kept in the cache dtype (2 bytes), rows padded by 8 elements (16 bytes: rows shift across
+// banks, and every 16-row fragment stays 32-byte aligned as wmma::load_matrix_sync requires). Scores are
+// fp32; each warp overwrites its own score rows with its probabilities (2 bytes) in place, and later uses
+// them as its 16 x 16 output staging tile. Key offsets are double-buffered so the next tile's offsets can
+// be written while a slower warp still reads this tile's.
+//   D = 64:  64 keys per tile, 45.25 KB: under the 48 KB default (V100: two CTAs per SM)
+//   D = 128: 32 keys per tile, 43.75 KB: under the 48 KB default
+//   D = 256: 32 keys per tile, 75.75 KB: above it, the launcher opts in (sm_70 allows 96 KB)
+template <int D>
+struct WmmaLayout {
+  static constexpr int kKeys = D <= 64 ? 64 : 32;
+  static constexpr int kRowStride = D + 8;        // elements per Q/K/V row
+  static constexpr int kScoreStride = kKeys + 4;  // floats per score row (a multiple of 4, as wmma needs)
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kWmmaRows * kRowStride * 2;
+  static constexpr int kV = kK + kKeys * kRowStride * 2;
+  static constexpr int kScores = kV + kKeys * kRowStride * 2;
+  static constexpr int kAlpha = kScores + kWmmaRows * kScoreStride * 4;
+  static constexpr int kKeyOffsets = kAlpha + kWmmaRows * 4;
+  static constexpr int kBytes = kKeyOffsets + 2 * kKeys * 8;
+};
+
+CLEF_HD int paged_attention_wmma_smem_bytes(int head_dim) {
+  switch (head_dim) {
+    case 64: return WmmaLayout<64>::kBytes;
+    case 128: return WmmaLayout<128>::kBytes;
+    case 256: return WmmaLayout<256>::kBytes;
+  }
+  return 0;
 }
 
 }  // namespace clef

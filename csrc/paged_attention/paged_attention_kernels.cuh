@@ -1,28 +1,31 @@
 // CUDA kernels for the paged KV cache (device code only; see conv1d_kernels.cuh for who compiles it).
 //
-// paged_attention_kernel: one CTA owns (sequence, KV head, tile of query tokens). Its 16 rows are the
-// tile's tokens x the G = Hq/Hkv query heads that share the KV head, so each K/V tile read from the
-// cache serves the whole group (GQA). Keys stream through shared memory a tile at a time with an online
-// softmax; tiles past the tile's last causal position are never read. fp32 SIMT math: correctness
-// first, a tensor-core version is future work measured against this one.
+// paged_attention_wmma_kernel (tensor cores; f16 from sm_70, bf16 from sm_80): one CTA of 4 warps owns
+// (sequence, KV head, tile of 64 query rows). Its rows are the tile's tokens x the G = Hq/Hkv query heads
+// that share the KV head (clef-flash: 16 tokens x 4 heads), so each K/V tile read from the cache serves
+// the whole group. Keys stream through shared memory, in the cache dtype, a tile of 32 or 64 at a time,
+// the block table walked per tile; tiles past the CTA's last causal position are never read. Each warp
+// owns 16 rows: S = Q K^T and O += P V through nvcuda::wmma 16x16x16 (fp32 accumulation), the online
+// softmax in fp32 between them, P rounded once to the cache dtype for the second product. O stays in
+// accumulator fragments for the whole context.
+//
+// paged_attention_kernel (SIMT, fp32 math): one CTA per 16 rows. The fallback for fp32 caches, head dims
+// the tensor-core kernel does not tile, and decode packs (paged_attention_choose_kernel decides).
 #pragma once
 
 #include "common/cuda_utils.cuh"
 #include "paged_attention/paged_attention.h"
 
+#if !defined(CLEF_CUDA_SIM)
+#include <mma.h>  // the CUDA simulator brings its own nvcuda::wmma (tests/cuda_sim/wmma_sim.h)
+#endif
+
 namespace clef {
 
 constexpr int kCacheWriteThreads = 128;
-constexpr int kAttnThreads = 128;
-constexpr int kAttnRows = 16;                            // query rows (token x head) per CTA
+constexpr int kAttnThreads = 128;                        // kAttnRows (16) query rows per CTA
 constexpr int kAttnRowLanes = kAttnThreads / kAttnRows;  // lanes scoring one row: 8
-
-// Keys per shared-memory tile: 16 for D = 256 keeps the CTA under sm_75's 64 KB of shared memory.
-template <int D>
-struct AttnTiling {
-  static constexpr int kKeys = D >= 256 ? 16 : 32;
-  static constexpr int kKeysPerLane = kKeys / kAttnRowLanes;
-};
+constexpr int kWmmaThreads = 32 * kWmmaWarps;
 
 template <typename T>
 __global__ void __launch_bounds__(kCacheWriteThreads) reshape_and_cache_kernel(CacheWriteParams p) {
@@ -41,20 +44,13 @@ __global__ void __launch_bounds__(kCacheWriteThreads) reshape_and_cache_kernel(C
   }
 }
 
-template <int D>
-CLEF_HD constexpr int paged_attention_smem_floats() {
-  // q (padded rows) + k (padded rows) + v + probabilities + alpha + l, then the key offsets (int64).
-  constexpr int keys = AttnTiling<D>::kKeys;
-  return kAttnRows * (D + 1) + keys * (D + 1) + keys * D + kAttnRows * keys + 2 * kAttnRows + 2 * keys;
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(PagedAttentionParams p) {
   constexpr int QS = D + 1;  // padded row strides: lanes reading different rows hit different banks
   constexpr int KS = D + 1;
   constexpr int OUT_PER_THREAD = kAttnRows * D / kAttnThreads;
   constexpr int KEYS = AttnTiling<D>::kKeys;
-  constexpr int KEYS_PER_LANE = AttnTiling<D>::kKeysPerLane;
+  constexpr int KEYS_PER_LANE = KEYS / kAttnRowLanes;
   static_assert((kAttnRows * D) % kAttnThreads == 0, "output tile must split evenly over the threads");
 
   const int group = p.num_q_heads / p.num_kv_heads;  // divides kAttnRows (checked by the host entry)
@@ -164,6 +160,240 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(PagedAtte
     // A row that saw no key (only possible with inconsistent metadata) is written as zeros.
     const float value = l_s[r] > 0.0f ? acc[i] / l_s[r] : 0.0f;
     out[attn_out_offset(s.q_start + qi, head, p) + d] = from_f32<T>(value);
+  }
+}
+
+// ---- tensor cores ------------------------------------------------------------------------------
+// bf16 fragments exist from sm_80; below it the bf16 instantiation compiles to a trap that the launcher
+// never reaches (paged_attention_wmma_unsupported keeps bf16 off those devices).
+template <typename T>
+struct WmmaCompiled {
+  static constexpr bool value = true;
+};
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+template <>
+struct WmmaCompiled<__nv_bfloat16> {
+  static constexpr bool value = false;
+};
+#endif
+
+// Query tiles are handed out last first: CTAs start roughly in index order, and under the causal mask a
+// sequence's last tile attends the most keys, so the longest CTAs do not trail at the end of the grid.
+// (The grid is bounded by the whole pack; a tile past a sequence's queries exits at once.)
+CLEF_HD int wmma_query_tile(int grid_x, int block_x) { return grid_x - 1 - block_x; }
+
+template <typename T, int D>
+__device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionParams& p) {
+  namespace wmma = nvcuda::wmma;
+  using Layout = WmmaLayout<D>;
+  using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  constexpr int KEYS = Layout::kKeys;
+  constexpr int RS = Layout::kRowStride;
+  constexpr int SS = Layout::kScoreStride;
+  constexpr int PS = 2 * SS;        // probabilities (2-byte) written over the score rows: same row bytes
+  constexpr int D_TILES = D / 16;   // 16-column tiles of a head
+  constexpr int K_TILES = KEYS / 16;
+  constexpr int VEC = 8;            // elements per 16-byte copy
+  constexpr int KEYS_PER_LANE = KEYS / 2;  // two lanes per row in the softmax
+  constexpr int ELEMS = Accumulator::num_elements;
+
+  const int group = p.num_q_heads / p.num_kv_heads;  // divides kWmmaRows (paged_attention_wmma_unsupported)
+  const int tile_tokens = kWmmaRows / group;
+  const int kv_head = blockIdx.y;
+  const int b = blockIdx.z;
+  const AttnSeq s = attn_sequence(p, b);
+  const int q0 = wmma_query_tile(gridDim.x, blockIdx.x) * tile_tokens;
+  if (q0 >= s.q_len) return;  // uniform over the CTA
+
+  CLEF_DYNAMIC_SHARED_ALIGNED(unsigned char, wmma_smem, 128);
+  T* q_s = reinterpret_cast<T*>(wmma_smem + Layout::kQ);  // [64 rows][RS], unscaled
+  T* k_s = reinterpret_cast<T*>(wmma_smem + Layout::kK);  // [KEYS][RS]
+  T* v_s = reinterpret_cast<T*>(wmma_smem + Layout::kV);  // [KEYS][RS]
+  float* s_s = reinterpret_cast<float*>(wmma_smem + Layout::kScores);  // [64 rows][SS]
+  float* alpha_s = reinterpret_cast<float*>(wmma_smem + Layout::kAlpha);
+  int64_t* key_off_s = reinterpret_cast<int64_t*>(wmma_smem + Layout::kKeyOffsets);  // [2][KEYS]
+
+  const T* query = static_cast<const T*>(p.query);
+  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const T* value_cache = static_cast<const T*>(p.value_cache);
+  T* out = static_cast<T*>(p.out);
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+
+  // Row r of the tile is query token q0 + r / group, query head kv_head * group + r % group; rows past
+  // the sequence's queries are zeros (and are never written out).
+  for (int e = tid; e < kWmmaRows * (D / VEC); e += kWmmaThreads) {
+    const int r = e / (D / VEC), c = (e % (D / VEC)) * VEC;
+    const int qi = q0 + r / group;
+    T* dst = q_s + r * RS + c;
+    if (qi < s.q_len)
+      copy16(dst, query + attn_query_offset(s.q_start + qi, kv_head * group + r % group, p) + c);
+    else
+      zero16(dst);
+  }
+
+  // The mapping of accumulator elements to lanes is unspecified, but load, mma and store agree on it:
+  // a fragment loaded from a tile holding each element's row index tells every lane the row of each of
+  // its elements, which the per-row softmax rescaling of O needs. Built in the warp's own score rows,
+  // kept as 4 bits per element (one register on a GPU: D = 256 needs every other one for O).
+  float* warp_s = s_s + 16 * warp * SS;
+  for (int e = lane; e < 256; e += 32) warp_s[e] = static_cast<float>(e / 16);
+  __syncwarp();
+  unsigned rows_of[(ELEMS + 7) / 8] = {};
+  {
+    Accumulator row_index;
+    wmma::load_matrix_sync(row_index, warp_s, 16, wmma::mem_row_major);
+#pragma unroll
+    for (int i = 0; i < ELEMS; ++i) rows_of[i / 8] |= static_cast<unsigned>(row_index.x[i]) << (4 * (i % 8));
+  }
+  __syncwarp();
+
+  // Keys the CTA may need (up to the causal position of its last token) and the ones this warp's rows
+  // may need: a warp skips the products of a tile wholly past its rows' positions.
+  const int kv_end = attn_query_position(s, min_int(q0 + tile_tokens, s.q_len) - 1) + 1;
+  const int warp_first_token = q0 + 16 * warp / group;
+  const bool warp_live = warp_first_token < s.q_len;
+  const int warp_kv_end =
+      warp_live ? attn_query_position(s, min_int(q0 + (16 * warp + 15) / group, s.q_len - 1)) + 1 : 0;
+
+  // Softmax layout: lanes 2r and 2r+1 share row 16 warp + r, keys half + 2 m.
+  const int row = 16 * warp + lane / 2;
+  const int half = lane % 2;
+  const int row_token = q0 + row / group;
+  const int row_pos = row_token < s.q_len ? attn_query_position(s, row_token) : -1;
+  float m_run = kNegInf, l_run = 0.0f;
+
+  Accumulator acc[D_TILES];
+#pragma unroll
+  for (int j = 0; j < D_TILES; ++j) wmma::fill_fragment(acc[j], 0.0f);
+
+  for (int k0 = 0, tile = 0; k0 < kv_end; k0 += KEYS, ++tile) {
+    int64_t* offsets = key_off_s + (tile % 2) * KEYS;
+    for (int kk = tid; kk < KEYS; kk += kWmmaThreads)
+      offsets[kk] = k0 + kk < kv_end ? paged_key_offset(p, b, k0 + kk, kv_head) : -1;
+    __syncthreads();  // also: every warp is done with the previous tile's K and V (and Q is staged)
+    for (int e = tid; e < KEYS * (D / VEC); e += kWmmaThreads) {
+      const int kk = e / (D / VEC), c = (e % (D / VEC)) * VEC;
+      const int64_t off = offsets[kk];
+      // Keys outside the context are zeros, never cache contents: a NaN there would survive P = 0.
+      if (off >= 0) {
+        copy16(k_s + kk * RS + c, key_cache + off + c);
+        copy16(v_s + kk * RS + c, value_cache + off + c);
+      } else {
+        zero16(k_s + kk * RS + c);
+        zero16(v_s + kk * RS + c);
+      }
+    }
+    __syncthreads();
+    if (!warp_live || k0 >= warp_kv_end) continue;  // uniform over the warp
+
+    // S = Q K^T for the warp's 16 rows: K is [key][d] in shared memory, i.e. K^T read column-major. One
+    // 16-key tile at a time, so that next to O (128 registers at D = 256) only one score tile is live.
+#pragma unroll 1
+    for (int j = 0; j < K_TILES; ++j) {
+      Accumulator scores;
+      wmma::fill_fragment(scores, 0.0f);
+#pragma unroll 4
+      for (int t = 0; t < D_TILES; ++t) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> q_frag;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> k_frag;
+        wmma::load_matrix_sync(q_frag, q_s + 16 * warp * RS + 16 * t, RS);
+        wmma::load_matrix_sync(k_frag, k_s + 16 * j * RS + 16 * t, RS);
+        wmma::mma_sync(scores, q_frag, k_frag, scores);
+      }
+      wmma::store_matrix_sync(warp_s + 16 * j, scores, SS, wmma::mem_row_major);
+    }
+    __syncwarp();
+
+    // Online softmax in fp32 (scale applied to the fp32 scores, not to the 2-byte queries). A key the row
+    // may not attend scores kNegInf (-1e30), which the exp pass turns into 0; real scores are assumed
+    // above it, as the running max's starting value (hd.h) already assumes in both kernels.
+    float score[KEYS_PER_LANE];
+    float tile_max = kNegInf;
+#pragma unroll
+    for (int m = 0; m < KEYS_PER_LANE; ++m) {
+      const int kk = half + 2 * m;
+      const bool in_tile = offsets[kk] >= 0;
+      const bool live = CLEF_FAULT(wmma_skip_causal_mask, in_tile && k0 + kk <= row_pos, in_tile);
+      score[m] = live ? s_s[row * SS + kk] * p.scale : kNegInf;
+      tile_max = max_f32(tile_max, score[m]);
+    }
+    tile_max = group_max<2>(tile_max);
+    const SoftmaxStep step = softmax_step(m_run, tile_max);
+    __syncwarp();  // both lanes of a row have read its scores before its probabilities overwrite them
+    T* p_row = reinterpret_cast<T*>(s_s + row * SS);
+    float tile_sum = 0.0f;
+#pragma unroll
+    for (int m = 0; m < KEYS_PER_LANE; ++m) {
+      // Rounded once to the cache dtype for the tensor cores; the row sum adds the rounded values, so
+      // the weights that multiply V are exactly the ones that normalise the row.
+      const T prob = from_f32<T>(score[m] > kNegInf ? exp_f32(score[m] - step.m) : 0.0f);
+      p_row[half + 2 * m] = prob;
+      tile_sum += to_f32(prob);
+    }
+    tile_sum = group_sum<2>(tile_sum);
+    l_run = l_run * step.alpha + tile_sum;
+    m_run = step.m;
+    if (half == 0) alpha_s[row] = step.alpha;
+    __syncwarp();
+
+    float alpha[ELEMS];
+#pragma unroll
+    for (int i = 0; i < ELEMS; ++i) {
+      // (The fault: assuming the simulator's 256 elements are in row-major order, as no GPU lays them out.)
+      const unsigned r = CLEF_FAULT(wmma_assumes_element_order, (rows_of[i / 8] >> (4 * (i % 8))) & 15u, i / 16);
+      alpha[i] = alpha_s[16 * warp + r];
+    }
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j) {
+#pragma unroll
+      for (int i = 0; i < ELEMS; ++i) acc[j].x[i] *= alpha[i];
+    }
+
+    // O += P V: P [16 rows][KEYS] from the warp's score rows, V [key][d] row-major; one 16-key slice of P
+    // live at a time (an f16 fragment takes 8 registers on every arch).
+    const T* p_warp = reinterpret_cast<const T*>(warp_s);
+#pragma unroll 1
+    for (int t = 0; t < K_TILES; ++t) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> p_frag;
+      wmma::load_matrix_sync(p_frag, p_warp + 16 * t, PS);
+      const T* v_rows = v_s + 16 * CLEF_FAULT(wmma_tile_offset, t, t ^ 1) * RS;
+#pragma unroll
+      for (int j = 0; j < D_TILES; ++j) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> v_frag;
+        wmma::load_matrix_sync(v_frag, v_rows + 16 * j, RS);
+        wmma::mma_sync(acc[j], p_frag, v_frag, acc[j]);
+      }
+    }
+  }
+  if (!warp_live) return;  // after the last barrier of the CTA
+
+  // Each 16 x 16 accumulator tile goes out through the warp's score rows as fp32 staging; lanes 2r, 2r+1
+  // (which hold row r's l) normalise and write 8 columns of row r each.
+  const int out_row = 16 * warp + lane / 2;
+  const int out_token = q0 + out_row / group;
+  const int out_head = kv_head * group + out_row % group;
+#pragma unroll
+  for (int j = 0; j < D_TILES; ++j) {
+    __syncwarp();  // the previous tile's staging (or the last P) has been read
+    wmma::store_matrix_sync(warp_s, acc[j], 16, wmma::mem_row_major);
+    __syncwarp();
+    if (out_token < s.q_len) {
+      T* dst = out + attn_out_offset(s.q_start + out_token, out_head, p) + 16 * j + 8 * half;
+      const float* src = warp_s + (lane / 2) * 16 + 8 * half;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) dst[c] = from_f32<T>(l_run > 0.0f ? src[c] / l_run : 0.0f);  // no key: zeros
+    }
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kWmmaThreads) paged_attention_wmma_kernel(PagedAttentionParams p) {
+  if constexpr (WmmaCompiled<T>::value) {
+    paged_attention_wmma_tile<T, D>(p);
+  } else {
+    __trap();
   }
 }
 

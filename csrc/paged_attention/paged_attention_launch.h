@@ -8,6 +8,13 @@ namespace clef {
 const char* reshape_and_cache_cuda(const CacheWriteParams& p, ScalarKind kind, void* stream);
 void reshape_and_cache_cpu(const CacheWriteParams& p, ScalarKind kind);
 const char* paged_attention_cuda(const PagedAttentionParams& p, ScalarKind kind, void* stream);
+// The kernel paged_attention_cuda runs for these params on the current device (the rule applied at its
+// compute capability), and why it cannot when the caller forced a kernel that does not fit (else null).
+struct AttentionChoice {
+  AttentionKernel kernel;
+  const char* error;
+};
+AttentionChoice paged_attention_cuda_choice(const PagedAttentionParams& p, ScalarKind kind);
 void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind);
 
 constexpr bool paged_attention_cuda_supports_head_dim(int head_dim) {

@@ -84,12 +84,32 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       [&] { reshape_and_cache_cpu(p, kind); });
 }
 
-void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                     const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
-                     double scale, at::Tensor& out) {
-  const char* op = "paged_attention";
+namespace {
+
+AttentionKernel parse_kernel(c10::string_view kernel, const char* op) {
+  if (kernel == "auto") return AttentionKernel::Auto;
+  if (kernel == "simt") return AttentionKernel::Simt;
+  if (kernel == "wmma") return AttentionKernel::Wmma;
+  TORCH_CHECK_VALUE(false, op, ": kernel must be 'auto', 'simt' or 'wmma', got '", std::string(kernel), "'");
+  return AttentionKernel::Auto;  // not reached
+}
+
+// CPU tensors run the one CPU implementation (except under the CUDA simulator, which runs the CUDA
+// launcher on them): a forced CUDA kernel there would silently test nothing.
+bool runs_cuda_launcher(const at::Tensor& query) {
+#ifdef CLEF_CUDA_SIM
+  return query.is_cpu();
+#else
+  return query.is_cuda();
+#endif
+}
+
+// Checks every argument but `out` and fills the params (out, scale and kernel are the caller's).
+PagedAttentionParams attention_params(const at::Tensor& query, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& cu_seqlens_q,
+                                      const at::Tensor& context_lens, const at::Tensor& block_tables, const char* op) {
   check_dim(query, 3, op, "query", "[num_tokens, num_q_heads, head_dim]");
-  const ScalarKind kind = activation_kind(query, op, "query");
+  activation_kind(query, op, "query");
   check_last_dim_contiguous(query, op, "query");
   check_cache(key_cache, query, op, "key_cache");
   check_cache(value_cache, query, op, "value_cache");
@@ -111,10 +131,6 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   check_dtype(block_tables, at::kInt, op, "block_tables");
   check_last_dim_contiguous(block_tables, op, "block_tables");
   check_device(block_tables, query, op, "block_tables");
-  check_shape(out, {num_tokens, num_q_heads, head_dim}, op, "out");
-  check_dtype(out, query.scalar_type(), op, "out");
-  check_contiguous(out, op, "out");
-  check_device(out, query, op, "out");
   check_cu_seqlens_values(cu_seqlens_q, num_tokens, op, "cu_seqlens_q");
   if (query.is_cuda() && cuda_build()) {
     TORCH_CHECK_VALUE(paged_attention_cuda_supports_head_dim(static_cast<int>(head_dim)), op,
@@ -129,7 +145,6 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   p.query_head_stride = query.stride(1);
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
-  p.out = out.data_ptr();
   p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
   p.context_lens = context_lens.data_ptr<int32_t>();
   p.block_tables = block_tables.data_ptr<int32_t>();
@@ -142,11 +157,63 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   p.block_size = checked_int32(key_cache.size(1), op, "block_size");
   p.num_blocks = checked_int32(key_cache.size(0), op, "num_blocks");
   p.max_blocks_per_seq = checked_int32(block_tables.size(1), op, "max_blocks_per_seq");
-  p.scale = static_cast<float>(scale);
   check_attention_metadata(p, query, op);
+  return p;
+}
+
+// The kernel the CUDA launcher will run for p on query's device; a forced one that cannot run p raises
+// ValueError saying why (before any launch).
+AttentionKernel checked_cuda_choice(const PagedAttentionParams& p, const at::Tensor& query, const char* op) {
+#if defined(CLEF_WITH_CUDA) || defined(CLEF_CUDA_SIM)
+#ifdef CLEF_WITH_CUDA
+  c10::cuda::CUDAGuard guard(query.device());
+#endif
+  const AttentionChoice choice = paged_attention_cuda_choice(p, activation_kind(query, op, "query"));
+  TORCH_CHECK_VALUE(choice.error == nullptr, op, ": kernel='wmma' cannot run these arguments: ", choice.error);
+  return choice.kernel;
+#else
+  (void)p;
+  TORCH_CHECK(false, op, ": clef_cuda._C was built without CUDA kernels, so ", query.device(),
+              " tensors cannot run; rebuild it with a CUDA toolchain (README)");
+  return AttentionKernel::Simt;  // not reached
+#endif
+}
+
+}  // namespace
+
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
+                     double scale, at::Tensor& out, c10::string_view kernel) {
+  const char* op = "paged_attention";
+  PagedAttentionParams p =
+      attention_params(query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, op);
+  const ScalarKind kind = activation_kind(query, op, "query");
+  check_shape(out, query.sizes(), op, "out");
+  check_dtype(out, query.scalar_type(), op, "out");
+  check_contiguous(out, op, "out");
+  check_device(out, query, op, "out");
+  p.out = out.data_ptr();
+  p.scale = static_cast<float>(scale);
+  p.kernel = parse_kernel(kernel, op);
+  TORCH_CHECK_VALUE(p.kernel == AttentionKernel::Auto || runs_cuda_launcher(query), op, ": kernel='",
+                    std::string(kernel), "' picks a CUDA kernel, but ", query.device(),
+                    " tensors run the CPU implementation (pass kernel='auto')");
+  if (p.kernel == AttentionKernel::Wmma) checked_cuda_choice(p, query, op);
   run_on_device(
       query, op, [&](void* stream) { return paged_attention_cuda(p, kind, stream); },
       [&] { paged_attention_cpu(p, kind); });
+}
+
+std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& cu_seqlens_q,
+                                     const at::Tensor& context_lens, const at::Tensor& block_tables,
+                                     c10::string_view kernel) {
+  const char* op = "paged_attention_dispatch";
+  PagedAttentionParams p =
+      attention_params(query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, op);
+  p.kernel = parse_kernel(kernel, op);
+  if (!runs_cuda_launcher(query)) return "cpu";
+  return checked_cuda_choice(p, query, op) == AttentionKernel::Wmma ? "wmma" : "simt";
 }
 
 }  // namespace clef

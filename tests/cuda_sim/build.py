@@ -1,6 +1,8 @@
 """Builds the test-only CUDA simulator module (torch.ops.clef_sim): the extension's own sources with
-CLEF_CUDA_SIM defined, so every op runs the CUDA launcher and kernels, via tests/cuda_sim/cuda_sim.h,
-on CPU tensors. Compiled once into .cache/cuda_sim and reused while the sources are unchanged."""
+CLEF_CUDA_SIM defined, so every op runs the CUDA launcher and kernels, via tests/cuda_sim/cuda_sim.h
+(and wmma_sim.h for tensor cores), on CPU tensors, plus the simulator's controls (sim_controls.cpp: the
+simulated compute capability, test-only faults). Compiled once into .cache/cuda_sim and reused while the
+sources are unchanged."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ def sources() -> list[str]:
     for family in FAMILIES:
         files += [csrc / family / f"{family}_ops.cpp", csrc / family / f"{family}_cpu.cpp"]
         files.append(ROOT / "tests" / "cuda_sim" / f"{family}_launch_sim.cpp")
+    files.append(ROOT / "tests" / "cuda_sim" / "sim_controls.cpp")
     return [str(f) for f in files]
 
 
@@ -33,7 +36,8 @@ def load_cuda_sim():
         name="clef_cuda_sim",
         sources=sources(),
         extra_include_paths=[str(ROOT / "csrc"), str(ROOT / "tests" / "cuda_sim")],
-        extra_cflags=["-O2", "-DCLEF_CUDA_SIM", "-fopenmp", "-Wno-psabi"],
+        # -fno-strict-aliasing: the kernels copy f16 tiles as 16-byte words, as GPUs do.
+        extra_cflags=["-O2", "-DCLEF_CUDA_SIM", "-fopenmp", "-Wno-psabi", "-fno-strict-aliasing"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         with_cuda=False,

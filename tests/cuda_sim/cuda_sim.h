@@ -1,11 +1,15 @@
 // Test-only CUDA simulator: runs the project's CUDA kernels and launchers, unmodified, on the CPU.
 //
-// Each CUDA thread of a block is a real std::thread; blocks run one after another. __syncthreads and
-// the warp shuffles are real barriers, so the kernels' thread mapping, shared-memory tiling and
-// synchronisation are what the tests exercise; a barrier that not every thread reaches is reported as a
-// deadlock instead of hanging. Dynamic shared memory is NaN-poisoned per block, so reading a slot no
-// thread wrote shows up in the results. This is not a product code path: tests/cuda_sim/build.py
-// compiles it into a separate module whose ops live in torch.ops.clef_sim.
+// Each CUDA thread of a block is a real std::thread; blocks run one after another. __syncthreads,
+// __syncwarp, the warp shuffles and the warp-wide WMMA operations (wmma_sim.h) are real barriers, so the
+// kernels' thread mapping, shared-memory tiling and synchronisation are what the tests exercise; a barrier
+// that not every thread reaches is reported as a deadlock instead of hanging. Dynamic shared memory is
+// NaN-poisoned per block (every 4-byte word 0x7fff7fff: NaN as fp32 and as both of its f16 or bf16
+// halves), so reading a slot no thread wrote shows up in the results. What a GPU would fault on is
+// checked: misaligned 16-byte and WMMA accesses, more than 48 KB of dynamic shared memory without the
+// kernel's opt-in, more than sm_70's 96 KB with it. The device has a compute capability tests can set
+// (default 8.0), for the launchers' dispatch rules. This is not a product code path:
+// tests/cuda_sim/build.py compiles it into a separate module whose ops live in torch.ops.clef_sim.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -17,6 +21,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -42,18 +47,40 @@ struct dim3 {
 struct uint3 {
   unsigned x, y, z;
 };
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 using cudaStream_t = void*;
 enum cudaError_t { cudaSuccess = 0 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrComputeCapabilityMinor = 76 };
 inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 
 namespace clef_sim {
 
-// Largest dynamic shared memory a kernel may use on the oldest supported GPU (sm_70 opt-in limit).
+// Largest dynamic shared memory a kernel may use on the oldest supported GPU (sm_70 opt-in limit), and
+// what every kernel gets without opting in.
 constexpr int kMaxDynamicSmemBytes = 96 * 1024;
 constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
+
+// The simulated device (tests set it through torch.ops.clef_sim.set_compute_capability) and the fault
+// switched on at the kernels' CLEF_FAULT points (torch.ops.clef_sim.set_fault; empty: none). Both are
+// set between launches only.
+inline int compute_capability = 80;
+inline std::string active_fault;
+
+// Dynamic shared memory each kernel opted in to with cudaFuncSetAttribute.
+inline std::mutex attribute_mutex;
+inline std::map<const void*, int> max_dynamic_smem;
+
+inline void check_aligned(const void* ptr, size_t bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(ptr) % bytes != 0)
+    throw std::runtime_error(std::string("simulated CUDA: misaligned address in a ") + what + " (needs " +
+                             std::to_string(bytes) + "-byte alignment)");
+}
 
 class Barrier {
  public:
@@ -97,15 +124,19 @@ struct Warp {
 };
 
 struct Block {
-  explicit Block(int threads, size_t smem_bytes) : sync(threads), dynamic_smem((smem_bytes + 7) / 8) {
+  explicit Block(int threads, size_t smem_bytes) : sync(threads), dynamic_smem((smem_bytes + 127) / 128 + 1) {
     for (int w = 0; w < threads / 32; ++w) warps.emplace_back(std::make_unique<Warp>());
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    float* f = reinterpret_cast<float*>(dynamic_smem.data());
-    for (size_t i = 0; i < dynamic_smem.size() * 2; ++i) f[i] = nan;
+    const uint32_t poison = 0x7fff7fffu;
+    uint32_t* words = reinterpret_cast<uint32_t*>(dynamic_smem.data());
+    for (size_t i = 0; i < dynamic_smem.size() * 32; ++i) words[i] = poison;
   }
+  unsigned char* smem() { return reinterpret_cast<unsigned char*>(dynamic_smem.data()); }
   Barrier sync;
   std::vector<std::unique_ptr<Warp>> warps;
-  std::vector<uint64_t> dynamic_smem;  // uint64_t: 8-byte alignment for int64 tiles
+  struct alignas(128) Line {
+    unsigned char bytes[128];
+  };
+  std::vector<Line> dynamic_smem;  // 128-byte aligned, as a GPU's shared-memory window is
 };
 
 inline thread_local Block* current_block = nullptr;
@@ -119,6 +150,22 @@ inline dim3 blockDim;
 inline dim3 gridDim;
 
 inline void __syncthreads() { clef_sim::current_block->sync.arrive_and_wait("__syncthreads"); }
+
+namespace clef_sim {
+// Every lane of the calling thread's warp must arrive (a warp-wide operation called from divergent code
+// is a deadlock here, undefined behaviour on a GPU).
+inline void warp_converge(const char* what) {
+  current_block->warps[current_thread / 32]->barrier.arrive_and_wait(what);
+}
+inline int lane_id() { return current_thread % 32; }
+}  // namespace clef_sim
+
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  if (mask != 0xffffffffu) throw std::runtime_error("simulated CUDA: only full-warp __syncwarp is modelled");
+  clef_sim::warp_converge("__syncwarp");
+}
+
+[[noreturn]] inline void __trap() { throw std::runtime_error("simulated CUDA: __trap() (a kernel that must not run)"); }
 
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
@@ -137,14 +184,31 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
 }
 
 template <typename Kernel>
-inline cudaError_t cudaFuncSetAttribute(Kernel*, cudaFuncAttribute, int value) {
+inline cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute, int value) {
   if (value > clef_sim::kMaxDynamicSmemBytes)
     throw std::runtime_error("simulated CUDA: a kernel asks for " + std::to_string(value) +
                              " bytes of dynamic shared memory, more than sm_70 allows");
+  std::lock_guard<std::mutex> lock(clef_sim::attribute_mutex);
+  clef_sim::max_dynamic_smem[reinterpret_cast<const void*>(kernel)] = value;
   return cudaSuccess;
 }
 
-#define CLEF_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(clef_sim::current_block->dynamic_smem.data())
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  *value = attr == cudaDevAttrComputeCapabilityMajor ? clef_sim::compute_capability / 10 : clef_sim::compute_capability % 10;
+  return cudaSuccess;
+}
+
+#define CLEF_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(clef_sim::current_block->smem())
+#define CLEF_DYNAMIC_SHARED_ALIGNED(type, name, bytes) CLEF_DYNAMIC_SHARED(type, name)
+#define CLEF_FAULT(name, good, faulty) (clef_sim::active_fault == #name ? (faulty) : (good))
+#define CLEF_CHECK_ALIGNED(ptr, bytes, what) clef_sim::check_aligned(ptr, bytes, what)
+
+#include "wmma_sim.h"
 
 namespace clef_sim {
 
@@ -159,6 +223,14 @@ class Launch {
     if (threads <= 0 || threads % 32 != 0 || threads > 1024)
       throw std::runtime_error("simulated CUDA: block size must be a positive multiple of 32 up to 1024");
     if (smem_ > static_cast<size_t>(kMaxDynamicSmemBytes)) throw std::runtime_error("simulated CUDA: too much dynamic shared memory");
+    if (smem_ > static_cast<size_t>(kDefaultDynamicSmemBytes)) {
+      std::lock_guard<std::mutex> lock(attribute_mutex);
+      auto opted = max_dynamic_smem.find(reinterpret_cast<const void*>(kernel_));
+      if (opted == max_dynamic_smem.end() || static_cast<size_t>(opted->second) < smem_)
+        throw std::runtime_error("simulated CUDA: a launch with " + std::to_string(smem_) +
+                                 " bytes of dynamic shared memory (above 48 KB) without "
+                                 "cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize) first");
+    }
     if (grid_.y > 65535 || grid_.z > 65535) throw std::runtime_error("simulated CUDA: grid.y/grid.z above 65535");
     blockDim = block_;
     gridDim = grid_;
