@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM: seconds to let in-flight requests finish (new ones get 503) before exiting",
     )
     p.add_argument("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
+    p.add_argument(
+        "--no-vllm-metric-aliases",
+        dest="vllm_metric_aliases",
+        action="store_false",
+        help="do not also export the protocol gauges under vLLM's names (vllm:num_requests_waiting, ...)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.add_argument(
         "--log-format",
@@ -359,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         selfcheck=args.selfcheck,
         max_json_depth=args.max_json_depth,
         adapter_root=args.adapter_root if args.enable_adapter_loading else None,
+        vllm_metric_aliases=args.vllm_metric_aliases,
     )
     app = create_app(settings, load_engine=lambda: make_engine(args))
     log.info("listening on %s:%d (model loading in the background; /ready says when it is done)", args.host, args.port)

@@ -1,6 +1,16 @@
-"""Prometheus metrics of one server instance (its own registry: nothing global)."""
+"""Prometheus metrics of one server instance (its own registry: nothing global).
+
+Besides clef's own families, the protocol metrics inference routers read (shared/specs/scale-out.md):
+queued and running requests, `clef_cache_usage_ratio` (0..1; prefix-cache blocks that could be evicted
+count as free, or a warm replica would look full and be avoided), `clef_cache_config_info` and, with
+variants, `clef_lora_requests_info`; by default also under vLLM's names, so an unconfigured endpoint
+picker or a vLLM dashboard works (never vLLM's token or latency histograms: nothing is generated here).
+Totals the engine keeps (prefix-cache hits, images, vision time, ...) are exported as counters.
+"""
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -11,7 +21,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, vllm_aliases: bool = True) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("clef_requests", "System One requests by HTTP status", ["status"], registry=r)
@@ -37,23 +47,68 @@ class Metrics:
         self.kv_blocks_total = Gauge("clef_kv_blocks_total", "KV cache blocks", registry=r)
         self.state_slots_used = Gauge("clef_state_slots_used", "Delta-net state slots in use", registry=r)
         self.state_slots_total = Gauge("clef_state_slots_total", "Delta-net state slots", registry=r)
-        self.prefix_hits = Gauge("clef_prefix_cache_hits", "Records that started from a cached prefix", registry=r)
-        self.prefix_misses = Gauge(
+        self.prefix_queries = Counter(
+            "clef_prefix_cache_queries", "Records that looked for a cached prefix (they had reuse points)", registry=r
+        )
+        self.prefix_hits = Counter("clef_prefix_cache_hits", "Records that started from a cached prefix", registry=r)
+        self.prefix_misses = Counter(
             "clef_prefix_cache_misses", "Records with reuse points and no cached prefix", registry=r
         )
-        self.prefix_evictions = Gauge("clef_prefix_cache_evictions", "Prefix-cache entries evicted", registry=r)
+        self.prefix_evictions = Counter("clef_prefix_cache_evictions", "Prefix-cache entries evicted", registry=r)
         self.prefix_entries = Gauge("clef_prefix_cache_entries", "Prefix-cache entries held", registry=r)
         self.prefix_blocks = Gauge(
             "clef_prefix_cache_blocks", "KV blocks held by prefix-cache entries (one snapshot slot each)", registry=r
         )
         self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed up and taking requests", registry=r)
-        self.images = Gauge("clef_images", "Images of admitted records (counted once per record)", registry=r)
-        self.image_tokens = Gauge("clef_image_tokens", "Image tokens of admitted records", registry=r)
-        self.vision_seconds = Gauge("clef_vision_seconds", "Time spent in the vision tower", registry=r)
-        self.vision_cache_hits = Gauge(
+        self.images = Counter("clef_images", "Images of admitted records (counted once per record)", registry=r)
+        self.image_tokens = Counter("clef_image_tokens", "Image tokens of admitted records", registry=r)
+        self.vision_seconds = Counter("clef_vision_seconds", "Time spent in the vision tower", registry=r)
+        self.vision_cache_hits = Counter(
             "clef_vision_cache_hits", "Images whose tower output came from the cache", registry=r
         )
-        self.vision_cache_misses = Gauge("clef_vision_cache_misses", "Images that went through the tower", registry=r)
+        self.vision_cache_misses = Counter("clef_vision_cache_misses", "Images that went through the tower", registry=r)
+        self._totals: dict[str, float] = {}  # the engine's totals last exported, per counter
+        # Protocol metrics for inference routers.
+        self.cache_usage = Gauge(
+            "clef_cache_usage_ratio",
+            "0..1: max(KV blocks live sequences hold / all blocks, running state slots held / all); "
+            "evictable prefix-cache blocks count as free",
+            registry=r,
+        )
+        self.cache_config = Gauge(
+            "clef_cache_config_info",
+            "Always 1; labels: the KV cache's shape",
+            ["block_size", "num_gpu_blocks"],
+            registry=r,
+        )
+        self.lora_info = Gauge(
+            "clef_lora_requests_info",
+            "Unix time of the last change; labels: variant slots and the variants with running and waiting requests",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
+        self.aliases = None
+        if vllm_aliases:
+            self.aliases = {
+                "waiting": Gauge("vllm:num_requests_waiting", "clef_queue_depth, under vLLM's name", registry=r),
+                "running": Gauge("vllm:num_requests_running", "clef_running_sequences, under vLLM's name", registry=r),
+                "usage": Gauge(
+                    "vllm:kv_cache_usage_perc", "clef_cache_usage_ratio (0..1), under vLLM's name", registry=r
+                ),
+                "config": Gauge(
+                    "vllm:cache_config_info",
+                    "clef_cache_config_info, under vLLM's name",
+                    ["block_size", "num_gpu_blocks"],
+                    registry=r,
+                ),
+                "lora": Gauge(
+                    "vllm:lora_requests_info",
+                    "clef_lora_requests_info, under vLLM's name",
+                    ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                    registry=r,
+                ),
+            }
         self._selfcheck: tuple[Gauge, Gauge, Gauge, Gauge] | None = None  # made by observe_selfcheck
         self.adapters_loaded = Gauge("clef_adapters_loaded", "Fine-tuned variants being served", registry=r)
         self.adapter_slots = Gauge("clef_adapter_slots", "Variants the server can hold (--max-adapters)", registry=r)
@@ -108,20 +163,52 @@ class Metrics:
         self.state_slots_used.set(engine.state_slots_in_use())
         self.state_slots_total.set(engine.plan.running_slots + engine.plan.snapshot_slots)
         cache = engine.prefix_cache
-        self.prefix_hits.set(cache.hits)
-        self.prefix_misses.set(cache.misses)
-        self.prefix_evictions.set(cache.evictions)
+        self._advance(self.prefix_queries, cache.hits + cache.misses)
+        self._advance(self.prefix_hits, cache.hits)
+        self._advance(self.prefix_misses, cache.misses)
+        self._advance(self.prefix_evictions, cache.evictions)
         self.prefix_entries.set(len(cache))
         self.prefix_blocks.set(cache.blocks_held)
-        self.images.set(engine.images)
-        self.image_tokens.set(engine.image_tokens)
-        self.vision_seconds.set(engine.vision_seconds)
-        self.vision_cache_hits.set(engine.vision_cache.hits)
-        self.vision_cache_misses.set(engine.vision_cache.misses)
+        self._advance(self.images, engine.images)
+        self._advance(self.image_tokens, engine.image_tokens)
+        self._advance(self.vision_seconds, engine.vision_seconds)
+        self._advance(self.vision_cache_hits, engine.vision_cache.hits)
+        self._advance(self.vision_cache_misses, engine.vision_cache.misses)
+        usage = engine.cache_usage()
+        self.cache_usage.set(usage)
+        config = {"block_size": str(engine.config.block_size), "num_gpu_blocks": str(engine.blocks.capacity)}
+        self.cache_config.labels(**config).set(1)
         if engine.adapters is not None:
             self.adapters_loaded.set(len(engine.adapters.names()))
             self.adapter_slots.set(engine.adapters.max_adapters)
             self.adapter_bytes.set(engine.adapters.bytes())
+            self._observe_lora(engine)
+        if self.aliases is not None:
+            self.aliases["waiting"].set(engine.queue_depth)
+            self.aliases["running"].set(engine.running)
+            self.aliases["usage"].set(usage)
+            self.aliases["config"].labels(**config).set(1)
+
+    def _advance(self, counter: Counter, total: float) -> None:
+        """Export an engine total as a counter: add what it grew by since the last scrape."""
+        key = counter._name  # noqa: SLF001  (prometheus_client keeps the family name here)
+        grown = total - self._totals.get(key, 0.0)
+        if grown > 0:
+            counter.inc(grown)
+            self._totals[key] = total
+
+    def _observe_lora(self, engine) -> None:
+        """Exactly one live series: the label set of the moment, its value the time it last changed."""
+        running, waiting = engine.variant_activity()
+        labels = (str(engine.adapters.max_adapters), ",".join(running), ",".join(waiting))
+        if labels == self._lora_labels:
+            return
+        gauges = [self.lora_info] + ([self.aliases["lora"]] if self.aliases is not None else [])
+        for gauge in gauges:
+            if self._lora_labels is not None:
+                gauge.remove(*self._lora_labels)
+            gauge.labels(*labels).set(time.time())
+        self._lora_labels = labels
 
     MAX_MODEL_LABELS = 64  # label values are model names clients chose: bounded, the rest count as "other"
 

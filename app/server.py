@@ -35,6 +35,7 @@ from clef_cuda.adapters import AdapterError
 from clef_cuda.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
 from clef_cuda.images import ImageError
+from clef_cuda.routing import prefix_key
 from clef_cuda.selfcheck import SelfCheckReport, run_selfcheck
 
 log = logging.getLogger("clef_serve")
@@ -55,6 +56,7 @@ class ServerSettings:
     disconnect_poll_seconds: float = 0.05
     selfcheck: str = "enforce"  # enforce: a failed on-device self-check keeps /ready 503; warn: serve anyway; off
     adapter_root: str | None = None  # set: runtime adapter loading is on, from under this directory only
+    vllm_metric_aliases: bool = True  # the protocol gauges under vLLM's names too
     max_json_depth: int = 256  # deeper bodies are a 422 before they are parsed
 
 
@@ -98,7 +100,7 @@ def create_app(
     """The ASGI app. Give either an `engine` (ready now) or `load_engine` (called on a background thread at
     start-up, so /health answers while weights load)."""
     state = ServerState()
-    metrics = Metrics()
+    metrics = Metrics(vllm_aliases=settings.vllm_metric_aliases)
     names = {settings.served_model_name, *settings.aliases}
 
     def passes_selfcheck(loaded: Engine) -> bool:
@@ -264,6 +266,8 @@ def create_app(
                 await run_in_threadpool(SystemOneRequest.model_validate, body)
             except ValidationError as error:
                 return validation_response(_pydantic_errors(error))
+            # The routing hint, from the request as the client sent it (before [image N] and the alias).
+            key_material = (body["model"], body["state"])
             variant = body["model"] not in names
             if variant and (engine.adapters is None or engine.adapters.get(body["model"]) is None):
                 raise ClientError(
@@ -309,7 +313,11 @@ def create_app(
             metrics.queue_latency.observe(result.get("x_timing_ms", {}).get("queue", 0.0) / 1e3)
             metrics.observe_decision(request.state.model, result)
             request.state.result = result
-            return JSONResponse(result)
+            routing = {
+                "X-Clef-Prefix-Key": prefix_key(*key_material, found.images),
+                "X-Clef-Prefix-Cache": "hit" if result.get("x_cached_tokens", 0) > 0 else "miss",
+            }
+            return JSONResponse(result, headers=routing)
         except ClientError as error:
             request.state.error_type = error.error_type
             return error_response(error.status, error.error_type, error.message, error.headers)

@@ -319,6 +319,21 @@ class Engine:
     def running(self) -> int:
         return len(self._running)
 
+    def cache_usage(self) -> float:
+        """0..1, what inference routers balance on: max(KV blocks live sequences hold / all blocks, running
+        state slots in use / running slots). Blocks only the prefix cache holds count as free (evictable)."""
+        live = {block for seq in list(self._running) for block in seq.blocks}
+        blocks = len(live) / max(1, self.blocks.capacity)
+        slots = (self.plan.running_slots - self.running_slots.available) / max(1, self.plan.running_slots)
+        return min(1.0, max(blocks, slots))
+
+    def variant_activity(self) -> tuple[list[str], list[str]]:
+        """(variants with running records, variants with queued ones), sorted names."""
+        running = {seq.ticket.adapter.name for seq in list(self._running) if seq.ticket.adapter is not None}
+        with self._lock:
+            waiting = {ticket.adapter.name for ticket, _ in self._queue if ticket.adapter is not None}
+        return sorted(running), sorted(waiting)
+
     def state_slots_in_use(self) -> int:
         return (self.plan.running_slots - self.running_slots.available) + (
             self.plan.snapshot_slots - self.snapshot_slots.available

@@ -277,7 +277,8 @@ def test_a_release_without_a_vision_tower_refuses_images():
 def test_image_metrics(client):
     assert client.post("/v1/systemone", json=body(images=[b64(png(64, 64, 9))])).status_code == 200
     values = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
-    assert values["clef_images"] >= 1 and values["clef_image_tokens"] >= 4 and values["clef_vision_seconds"] > 0
+    assert values["clef_images_total"] >= 1 and values["clef_image_tokens_total"] >= 4
+    assert values["clef_vision_seconds_total"] > 0
 
 
 def test_the_probe_sees_a_fetch_and_an_open(no_fetch_no_open):
