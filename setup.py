@@ -18,7 +18,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = ["7.0", "7.5", "8.0", "9.0"]
-PACKAGE_DATA = {"clef_cuda": ["assets/clef-tiny/*"]}  # the embedded default model (clef_cuda/default_model.py)
+PACKAGE_DATA = {"clef_cuda": ["assets/clef-tiny/*"]}  # the embedded default model (clef_cuda/model/default_model.py)
 
 
 def fail(message: str) -> None:

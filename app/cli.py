@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from app.logs import LOG_FORMATS, configure_logging
-from clef_cuda.encoding import CLIENT_SPECIAL_TOKENS
+from clef_cuda.request.encoding import CLIENT_SPECIAL_TOKENS
 
 EXIT_USAGE = 2
 SELFCHECK_MODES = ("enforce", "warn", "off")  # what a failed on-device self-check does (app.server)
@@ -192,7 +192,7 @@ def make_decider(args):
     import torch
 
     from clef_cuda import Decider
-    from clef_cuda.images import ImageLimits
+    from clef_cuda.request.images import ImageLimits
 
     device = resolve_device(args.device)
     dtype = getattr(torch, DTYPES[args.dtype or ("f16" if device.type == "cuda" else "f32")])
@@ -238,7 +238,7 @@ def make_adapters(args, decider):
     """The variant registry with the start-up adapters loaded (None when adapters are off)."""
     import torch
 
-    from clef_cuda.adapters import AdapterRegistry
+    from clef_cuda.model.adapters import AdapterRegistry
 
     if not args.adapters and not args.enable_adapter_loading:
         return None
@@ -257,7 +257,7 @@ def make_adapters(args, decider):
 
 def make_engine(args):
     """Load the release and build the engine (runs on the loader thread; errors surface on /ready)."""
-    from clef_cuda.engine import Engine, EngineConfig
+    from clef_cuda.serving.engine import Engine, EngineConfig
 
     decider = make_decider(args)
     adapters = make_adapters(args, decider)
@@ -278,7 +278,7 @@ def make_engine(args):
 
 def selfcheck_only(args) -> int:
     """--selfcheck-only: the report on stdout, exit 0 when every check passed, 1 otherwise."""
-    from clef_cuda.selfcheck import run_selfcheck
+    from clef_cuda.serving.selfcheck import run_selfcheck
 
     report = run_selfcheck(make_decider(args).trunk, block_size=args.block_size)
     print(report.table())
@@ -289,7 +289,7 @@ def selfcheck_only(args) -> int:
 def check_adapters(args, release) -> None:
     """Before the (slow) load: every start-up adapter passes the loading rules (AdapterError naming file and
     tensor or field), names do not shadow the served model, and runtime loading has its key and root."""
-    from clef_cuda.adapters import load_adapter_tensors
+    from clef_cuda.model.adapters import load_adapter_tensors
 
     for name, directory in parse_adapters(args.adapters):
         if name in (args.served_model_name, "jev-latest"):
@@ -310,7 +310,7 @@ def served_model_name(args: argparse.Namespace) -> str:
     """--served-model-name if given; else clef-flash for a release given with --w, clef-tiny without."""
     if args.served_model_name:
         return args.served_model_name
-    from clef_cuda.default_model import NAME
+    from clef_cuda.model.default_model import NAME
 
     return "clef-flash" if args.weights is not None else NAME
 
@@ -323,16 +323,16 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("clef_serve")
 
-    from clef_cuda.adapters import AdapterError
-    from clef_cuda.config import load_release_config
     from clef_cuda.errors import ReleaseError
+    from clef_cuda.model.adapters import AdapterError
+    from clef_cuda.model.config import load_release_config
 
     args.served_model_name = served_model_name(args)  # before --w is filled in with the embedded model
     # Fail fast, in one line, on what can be checked before the (slow) load.
     try:
         resolve_device(args.device)
         if args.weights is None:
-            from clef_cuda import default_model
+            from clef_cuda.model import default_model
 
             args.weights = str(default_model.default_release())
             log.warning("!" * 100)

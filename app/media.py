@@ -12,7 +12,7 @@ assets never referenced. Each placeholder is replaced in the text by `[image N]`
 in that list. Placeholders are the SDK's `<image:` + 32 hex digits + `>` wherever they occur in a
 string; any other asset name only as a whole string value (so an asset named "photo" does not rewrite
 every "photo" in the state). Nothing here fetches, opens or decodes anything: bytes and their checks
-only (clef_cuda.images decodes later, once the cheap limits passed). Errors are InvalidBody (422) or
+only (clef_cuda.request.images decodes later, once the cheap limits passed). Errors are InvalidBody (422) or
 ClientError 413, naming the image.
 """
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.intake import ClientError, InvalidBody
-from clef_cuda.encoding import question_options, render
-from clef_cuda.images import ImageError, ImageLimits, strict_base64, wire_image_bytes
+from clef_cuda.request.encoding import question_options, render
+from clef_cuda.request.images import ImageError, ImageLimits, strict_base64, wire_image_bytes
 
 SDK_PLACEHOLDER = re.compile(r"<image:[0-9a-f]{32}>")
 ASSET_FORMATS = ("png", "jpg", "jpeg", "webp")

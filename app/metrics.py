@@ -125,7 +125,7 @@ class Metrics:
         self._model_labels: set[str] = set()
 
     def observe_selfcheck(self, report) -> None:
-        """The on-device self-check's outcome (clef_cuda.selfcheck.SelfCheckReport). The families exist only
+        """The on-device self-check's outcome (clef_cuda.serving.selfcheck.SelfCheckReport). The families exist only
         once a check ran: with --selfcheck off they are absent, not a misleading 0."""
         if self._selfcheck is None:
             r = self.registry

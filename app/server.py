@@ -1,5 +1,5 @@
 """The HTTP service: POST /v1/systemone per shared/specs/systemone-api.md, plus /v1/models, /health, /ready
-and /metrics. Routes validate and translate; the engine (clef_cuda.engine) owns the model.
+and /metrics. Routes validate and translate; the engine (clef_cuda.serving.engine) owns the model.
 
 Every error a client can cause is a 4xx in the contract's shape: 422 `{"detail": [{"loc", "msg", "type"}]}`
 for an invalid body, `{"detail": {"error_type", "message"}}` for the rest. Only the server's own faults
@@ -31,12 +31,12 @@ from app.logs import log_decision, request_id_of
 from app.media import collect_images, parse_multipart
 from app.metrics import Metrics
 from app.schemas import SystemOneRequest, unsupported_question_errors
-from clef_cuda.adapters import AdapterError
-from clef_cuda.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
-from clef_cuda.images import ImageError
-from clef_cuda.routing import prefix_key
-from clef_cuda.selfcheck import SelfCheckReport, run_selfcheck
+from clef_cuda.model.adapters import AdapterError
+from clef_cuda.request.images import ImageError
+from clef_cuda.request.routing import prefix_key
+from clef_cuda.serving.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
+from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
 
 log = logging.getLogger("clef_serve")
 RETRY_AFTER_SECONDS = "1"
@@ -104,7 +104,7 @@ def create_app(
     names = {settings.served_model_name, *settings.aliases}
 
     def passes_selfcheck(loaded: Engine) -> bool:
-        """The kernels proven on this device before any traffic (clef_cuda.selfcheck); False when a failure
+        """The kernels proven on this device before any traffic (clef_cuda.serving.selfcheck); False when a failure
         must keep the server unready."""
         if settings.selfcheck == "off":
             log.warning("the on-device kernel self-check is off (--selfcheck off): kernels are not verified here")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What serving fine-tuned variants unmerged costs a trunk step: the torch segment loop of
-clef_cuda.adapters on the mid release's shapes (hidden 1024, 8 layers, ~130M parameters), one packed step
+clef_cuda.model.adapters on the mid release's shapes (hidden 1024, 8 layers, ~130M parameters), one packed step
 of 4 records x 256 tokens, with the base only vs 1, 2 and 4 distinct variants at rank 16 and 64 (every
 module adapted: the worst case), plus each variant's memory. The goal: at most 5% over the base step at
 rank 16 with 4 variants (else the segment loop earns a fused op in csrc/). Runs interleaved, medians.
@@ -34,7 +34,7 @@ def synthetic_adapter(base: Path, out: Path, config, rank: int, seed: int) -> Pa
 
     from safetensors.torch import save_file
 
-    from clef_cuda.adapters import module_slots
+    from clef_cuda.model.adapters import module_slots
 
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -61,9 +61,9 @@ def main() -> None:
     from decision_latency import build
 
     from clef_cuda import Decider
-    from clef_cuda.adapters import AdapterBatch, AdapterRegistry
-    from clef_cuda.cache import TrunkCache
-    from clef_cuda.trunk import ChunkBatch, SequenceChunk
+    from clef_cuda.model.adapters import AdapterBatch, AdapterRegistry
+    from clef_cuda.model.trunk import ChunkBatch, SequenceChunk
+    from clef_cuda.serving.cache import TrunkCache
 
     work = Path(tempfile.mkdtemp(prefix="clef-adapter-bench-"))
     release = build("mid", work)

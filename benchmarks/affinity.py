@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def key_cost_us(state, repeats: int = 20) -> float:
-    from clef_cuda.routing import prefix_key
+    from clef_cuda.request.routing import prefix_key
 
     times = []
     for _ in range(repeats):
@@ -65,7 +65,7 @@ def main() -> None:
             f"{r.mode:<14} {concurrency:>7} {r.requests:>8} {r.hit_rate:>8.0%} {r.per_second:>12.1f} "
             f"{split:>10} of {len(r.served_by)}"
         )
-    print("\ncomputing the key (clef_cuda.routing.prefix_key), median per request:")
+    print("\ncomputing the key (clef_cuda.request.routing.prefix_key), median per request:")
     for name, state in (
         ("4 KB object state", state_4k),
         ("1 MB string state", state_1m),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the on-device self-check (clef_cuda.selfcheck) costs at start-up: measured on this machine for
+"""What the on-device self-check (clef_cuda.serving.selfcheck) costs at start-up: measured on this machine for
 the embedded clef-tiny, the test-suite's mid release and a trunk with clef-flash's layer shapes (one
 delta-net and one attention layer, random weights: the check runs one real layer of each kind, so more
 layers cost nothing), and the work it does there (FLOPs of the layer checks, bytes of weights read), from
@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from clef_cuda import Decider  # noqa: E402
-from clef_cuda.config import FULL_ATTENTION, LINEAR_ATTENTION, TrunkConfig  # noqa: E402
-from clef_cuda.default_model import default_release  # noqa: E402
-from clef_cuda.selfcheck import LAYER_STEPS, run_selfcheck  # noqa: E402
-from clef_cuda.trunk import Trunk  # noqa: E402
-from clef_cuda.weights import serving_dtype_for, trunk_shapes  # noqa: E402
+from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, TrunkConfig  # noqa: E402
+from clef_cuda.model.default_model import default_release  # noqa: E402
+from clef_cuda.model.trunk import Trunk  # noqa: E402
+from clef_cuda.model.weights import serving_dtype_for, trunk_shapes  # noqa: E402
+from clef_cuda.serving.selfcheck import LAYER_STEPS, run_selfcheck  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # clef-flash (Qwen3.5-9B text trunk), one layer of each kind; a small vocabulary (the check never embeds).

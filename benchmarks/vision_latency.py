@@ -47,7 +47,7 @@ def main() -> None:
 
     from clef_cuda import Decider
     from clef_cuda.decider import request_images
-    from clef_cuda.engine import Engine, EngineConfig
+    from clef_cuda.serving.engine import Engine, EngineConfig
 
     release = build_release(Path(tempfile.mkdtemp(prefix="clef-vision-bench-")) / "release", vision=TOWER)
     # 1024 tokens are 1024x1024 pixels: above the test processor's default budget (1,003,520), so raise it.

@@ -7,7 +7,7 @@
     response = decider.decide({..., "images": ["data:image/png;base64,iVBORw0KGgo..."]})
 
 One record at a time, prefilled in chunks through the trunk's paged/slot caches; the server's engine
-(clef_cuda.engine) batches many records over the same pieces.
+(clef_cuda.serving.engine) batches many records over the same pieces.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 
-from clef_cuda import answers
-from clef_cuda.cache import TrunkCache
-from clef_cuda.config import ReleaseConfig, load_release_config
-from clef_cuda.encoding import EncodedRecord, Tokenizer, encode_request, validate_request
-from clef_cuda.head import JointSchemaHead, RecordLayout
-from clef_cuda.images import (
+from clef_cuda.model.config import ReleaseConfig, load_release_config
+from clef_cuda.model.head import JointSchemaHead, RecordLayout
+from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
+from clef_cuda.model.vision import VisionTower
+from clef_cuda.model.weights import load_release_weights
+from clef_cuda.request import answers
+from clef_cuda.request.encoding import EncodedRecord, Tokenizer, encode_request, validate_request
+from clef_cuda.request.images import (
     ImageError,
     ImageLimits,
     ImageProcessorConfig,
@@ -32,9 +34,7 @@ from clef_cuda.images import (
     load_processor_config,
     wire_image_bytes,
 )
-from clef_cuda.trunk import ChunkBatch, SequenceChunk, Trunk
-from clef_cuda.vision import VisionTower
-from clef_cuda.weights import load_release_weights
+from clef_cuda.serving.cache import TrunkCache
 
 DEFAULT_BLOCK_SIZE = 16
 

@@ -1,7 +1,7 @@
 """Replicas behind a real load balancer on loopback: two clef-serve processes (the embedded clef-tiny) and
 Debian's HAProxy in front, either hashing on X-Clef-Prefix-Key (consistent hashing with bounded load) or
 round-robin; a workload where states repeat, sent with the key each client computes itself
-(clef_cuda.routing.prefix_key). Used by tests/test_routing.py and benchmarks/affinity.py."""
+(clef_cuda.request.routing.prefix_key). Used by tests/test_routing.py and benchmarks/affinity.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 from live import clef_serve_process, free_port
 
-from clef_cuda.routing import prefix_key
+from clef_cuda.request.routing import prefix_key
 
 HAPROXY_CONFIG = """global
     maxconn 512

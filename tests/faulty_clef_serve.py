@@ -8,8 +8,8 @@ import sys
 from faults import KeyBandZeroedOps
 
 from app.cli import main
-from clef_cuda.config import load_release_config
 from clef_cuda.decider import Decider
+from clef_cuda.model.config import load_release_config
 
 _load = Decider.from_release.__func__
 

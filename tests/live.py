@@ -14,7 +14,7 @@ import httpx
 import uvicorn
 
 from app.server import ServerSettings, create_app
-from clef_cuda.engine import Engine
+from clef_cuda.serving.engine import Engine
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from clef_cuda.default_model import SPECIAL_TOKENS
+from clef_cuda.model.default_model import SPECIAL_TOKENS
 
 CORPUS = [
     "Checkout has been failing for every customer for the last hour. Orders are blocked.",

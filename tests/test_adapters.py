@@ -1,4 +1,4 @@
-"""Fine-tuned variants over one trunk (clef_cuda.adapters): two clef-finetune checkpoints (every module; a
+"""Fine-tuned variants over one trunk (clef_cuda.model.adapters): two clef-finetune checkpoints (every module; a
 subset) served together unmerged, against Cloudflare's reference on clef-finetune's fp32 merge of each;
 batching, cache isolation, every loading rule, faults the oracle must catch, and the HTTP surface."""
 
@@ -21,9 +21,11 @@ from random_requests import random_request
 from releases import reference_model, tiny_release
 
 from app.server import ServerSettings, create_app
-from clef_cuda import Decider, adapters, answers
-from clef_cuda.adapters import AdapterError, AdapterRegistry, load_adapter_tensors
-from clef_cuda.engine import Engine, EngineConfig
+from clef_cuda import Decider
+from clef_cuda.model import adapters
+from clef_cuda.model.adapters import AdapterError, AdapterRegistry, load_adapter_tensors
+from clef_cuda.request import answers
+from clef_cuda.serving.engine import Engine, EngineConfig
 
 TOLERANCE = 1e-5
 VARIANTS = ("all", "subset")
@@ -337,7 +339,7 @@ def test_warnings_for_a_no_op_adapter_and_another_revision(decider, tmp_path, ca
     train_config["model"]["revision"] = "aaaa"
     (directory / "train_config.json").write_text(json.dumps(train_config))
     base = replace(decider.config, revision="bbbb")
-    with caplog.at_level("WARNING", logger="clef_cuda.adapters"):
+    with caplog.at_level("WARNING", logger="clef_cuda.model.adapters"):
         load_adapter_tensors(directory, base, 64)
     assert "every lora_B is zero" in caplog.text and "revision aaaa" in caplog.text
 

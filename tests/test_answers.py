@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clef_cuda.answers import answer
+from clef_cuda.request.answers import answer
 
 
 def test_noul_has_no_confidence_and_rounds_half_even_on_the_double():

@@ -92,7 +92,7 @@ def test_the_embedded_model_ships_in_the_wheel(setup_module):
     would otherwise serve without it and fail at start-up)."""
     from fnmatch import fnmatch
 
-    from clef_cuda import default_model
+    from clef_cuda.model import default_model
 
     package = ROOT / "clef_cuda"
     files = [p.relative_to(package).as_posix() for p in default_model.RELEASE.rglob("*") if p.is_file()]

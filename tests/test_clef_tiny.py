@@ -18,8 +18,9 @@ import httpx
 import pytest
 from live import clef_serve_process
 
-from clef_cuda import Decider, default_model
-from clef_cuda.config import FULL_ATTENTION, LINEAR_ATTENTION, load_release_config
+from clef_cuda import Decider
+from clef_cuda.model import default_model
+from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, load_release_config
 from training import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import random
 import pytest
 from releases import mid_release
 
-from clef_cuda import encoding
-from clef_cuda.default_model import default_release
-from clef_cuda.encoding import CLIENT_SPECIAL_TOKENS, Tokenizer, question_options, render
+from clef_cuda.model.default_model import default_release
+from clef_cuda.request import encoding
+from clef_cuda.request.encoding import CLIENT_SPECIAL_TOKENS, Tokenizer, question_options, render
 
 
 def test_render_matches_the_reference_rules():

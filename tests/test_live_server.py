@@ -15,7 +15,7 @@ from releases import tiny_release
 
 from app.server import ServerSettings
 from clef_cuda import Decider
-from clef_cuda.engine import Engine, EngineConfig
+from clef_cuda.serving.engine import Engine, EngineConfig
 
 KEY = "sdk-test-key"
 

@@ -218,7 +218,7 @@ def fuzz_app():
 
     from app.server import ServerSettings, create_app
     from clef_cuda import Decider
-    from clef_cuda.engine import Engine, EngineConfig
+    from clef_cuda.serving.engine import Engine, EngineConfig
 
     decider = Decider.from_release(tiny_release(), device="cpu", progress=False)
     engine = Engine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.05))

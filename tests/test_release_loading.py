@@ -12,9 +12,9 @@ import torch
 from releases import mid_release, tiny_release
 
 from clef_cuda import Decider
-from clef_cuda.config import load_release_config
 from clef_cuda.errors import ReleaseError
-from clef_cuda.weights import head_shapes, load_release_weights, trunk_shapes
+from clef_cuda.model.config import load_release_config
+from clef_cuda.model.weights import head_shapes, load_release_weights, trunk_shapes
 
 
 def copy_release(source: Path, tmp_path: Path) -> Path:
@@ -30,7 +30,7 @@ def edit_json(path: Path, change) -> None:
 
 
 def test_clef_flash_head_has_122_tensors():
-    from clef_cuda.config import HeadConfig
+    from clef_cuda.model.config import HeadConfig
 
     config = HeadConfig(hidden_size=4096, width=1024, routing_layers=2, layers=4, heads=16, feedforward=4096)
     shapes = head_shapes(config)
@@ -196,7 +196,7 @@ def test_vision_config_without_visual_weights_is_a_text_release(tmp_path):
     )
     decider = Decider.from_release(release, device="cpu", progress=False)
     assert decider.vision is None
-    from clef_cuda.images import ImageError
+    from clef_cuda.request.images import ImageError
 
     with pytest.raises(ImageError, match="does not accept images"):
         decider.prepare_images([b"\x89PNG\r\n\x1a\n"])
@@ -226,7 +226,7 @@ def test_bad_vision_config_names_the_field(tmp_path, change, words):
 
 
 def test_the_processor_config_is_read_not_assumed(tmp_path):
-    from clef_cuda.images import load_processor_config
+    from clef_cuda.request.images import load_processor_config
 
     release = copy_release(tiny_release(), tmp_path)
     edit_json(release / "processor_config.json", lambda c: c["image_processor"].update(resample=1))

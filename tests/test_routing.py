@@ -14,8 +14,8 @@ from releases import tiny_release
 
 from app.server import ServerSettings, create_app
 from clef_cuda import Decider
-from clef_cuda.engine import Engine, EngineConfig
-from clef_cuda.routing import canonical_state, prefix_key
+from clef_cuda.request.routing import canonical_state, prefix_key
+from clef_cuda.serving.engine import Engine, EngineConfig
 
 STATE = " ".join(f"line {i}: checkout ERROR payment declined" for i in range(60))  # long: worth a snapshot
 
@@ -139,7 +139,7 @@ def test_vllm_aliases_can_be_dropped(decider):
 def test_lora_requests_info_has_exactly_one_live_series(decider):
     from adapter_fixtures import checkpoint
 
-    from clef_cuda.adapters import AdapterRegistry
+    from clef_cuda.model.adapters import AdapterRegistry
 
     registry = AdapterRegistry(decider.config, decider.trunk.lm_head, decider.trunk.dtype, max_adapters=3)
     registry.load("team", checkpoint("all"))
@@ -194,7 +194,7 @@ def test_every_selector_of_the_shipped_engine_config_resolves_against_a_real_scr
     import yaml
     from adapter_fixtures import checkpoint
 
-    from clef_cuda.adapters import AdapterRegistry
+    from clef_cuda.model.adapters import AdapterRegistry
 
     config = yaml.safe_load(
         (Path(__file__).resolve().parents[1] / "deploy/k8s/routing/tier-b-epp-config.yaml").read_text()

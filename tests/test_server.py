@@ -18,8 +18,9 @@ from random_requests import random_request
 from releases import tiny_release
 
 from app.server import ServerSettings, create_app
-from clef_cuda import Decider, answers
-from clef_cuda.engine import Engine, EngineConfig
+from clef_cuda import Decider
+from clef_cuda.request import answers
+from clef_cuda.serving.engine import Engine, EngineConfig
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

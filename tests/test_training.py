@@ -15,7 +15,7 @@ import torch
 from faults import KeyBandZeroedOps
 
 from clef_cuda import Decider
-from clef_cuda.head import RecordLayout
+from clef_cuda.model.head import RecordLayout
 from training import evaluate, synthetic, train
 from training.model import TrainableClef
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import qwen35_module, rel_err
 
-from clef_cuda.cache import TrunkCache
-from clef_cuda.config import load_trunk_config
-from clef_cuda.trunk import ChunkBatch, SequenceChunk, Trunk
+from clef_cuda.model.config import load_trunk_config
+from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
+from clef_cuda.serving.cache import TrunkCache
 
 BLOCK = 16
 
@@ -81,7 +81,7 @@ def make_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     path = Path(tempfile.mkdtemp()) / "config.json"
     path.write_text(json.dumps(config.to_dict() | {"architectures": ["Qwen3_5ForCausalLM"]}))
     trunk_config, prefix = load_trunk_config(path)
-    from clef_cuda.weights import serving_dtype_for
+    from clef_cuda.model.weights import serving_dtype_for
 
     weights = {}
     for key, tensor in model.state_dict().items():

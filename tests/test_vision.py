@@ -13,10 +13,11 @@ from images import data_url, png, processor_cases
 from random_requests import random_request
 from releases import reference_model, tiny_release, vision_release
 
-from clef_cuda import Decider, encoding
+from clef_cuda import Decider
 from clef_cuda.decider import request_images
-from clef_cuda.engine import Engine, EngineConfig
-from clef_cuda.images import ImageLimits, load_images, load_processor_config
+from clef_cuda.request import encoding
+from clef_cuda.request.images import ImageLimits, load_images, load_processor_config
+from clef_cuda.serving.engine import Engine, EngineConfig
 
 TOLERANCE = 1e-5
 RELEASES = {"tiny": tiny_release, "vision": vision_release}

@@ -15,8 +15,8 @@ from releases import reference_model, tiny_release
 
 from app.server import ServerSettings, create_app
 from clef_cuda import Decider
-from clef_cuda.default_model import default_release
-from clef_cuda.engine import Engine, EngineConfig
+from clef_cuda.model.default_model import default_release
+from clef_cuda.serving.engine import Engine, EngineConfig
 
 PLACEHOLDER = "<image:" + "0123456789abcdef" * 2 + ">"
 QUESTIONS = {
@@ -239,7 +239,7 @@ def test_limits(client):
 def test_a_decompression_bomb_is_refused_from_its_header(client, monkeypatch):
     import tracemalloc
 
-    from clef_cuda import images
+    from clef_cuda.request import images
 
     def never(*args, **kwargs):
         raise AssertionError("decoded")

@@ -136,7 +136,7 @@ def serving(release: Path, ops=None, prefix_cache: bool = True):
 
     from app.server import ServerSettings
     from clef_cuda import Decider
-    from clef_cuda.engine import Engine, EngineConfig
+    from clef_cuda.serving.engine import Engine, EngineConfig
 
     decider = Decider.from_release(release, device="cpu", progress=False, ops=ops)
     # Snapshots from 32 saved tokens on: held-out states are short, and the second pass should find them.
@@ -152,7 +152,7 @@ def evaluate(release: Path, count: int, key_band_zeroed: bool = False) -> Scores
         _tests_on_path()
         from faults import KeyBandZeroedOps
 
-        from clef_cuda.config import load_release_config
+        from clef_cuda.model.config import load_release_config
 
         ops = KeyBandZeroedOps(load_release_config(release).trunk.key_dim)
     with serving(release, ops) as (url, _):
@@ -289,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--write-golden", type=Path, help="write the golden answers there instead of evaluating")
     args = parser.parse_args(argv)
-    from clef_cuda import default_model
-    from clef_cuda.config import load_release_config
     from clef_cuda.errors import ReleaseError
+    from clef_cuda.model import default_model
+    from clef_cuda.model.config import load_release_config
 
     release = args.release or default_model.default_release()
     try:

@@ -2,7 +2,7 @@
 module, built on the pure-torch references (clef_cuda.reference) and the serving head's own code, with
 parameters named exactly as the release layout stores them.
 
-Serving runs the same function through the fast kernels (clef_cuda.trunk); tests check the two agree.
+Serving runs the same function through the fast kernels (clef_cuda.model.trunk); tests check the two agree.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from clef_cuda import reference
-from clef_cuda.config import LINEAR_ATTENTION, HeadConfig, TrunkConfig
-from clef_cuda.head import JointSchemaHead, RecordLayout
-from clef_cuda.trunk import rms_norm, rotate_half
-from clef_cuda.weights import head_shapes, trunk_shapes
+from clef_cuda.model.config import LINEAR_ATTENTION, HeadConfig, TrunkConfig
+from clef_cuda.model.head import JointSchemaHead, RecordLayout
+from clef_cuda.model.trunk import rms_norm, rotate_half
+from clef_cuda.model.weights import head_shapes, trunk_shapes
 
 
 def _init(name: str, shape: tuple[int, ...], generator: torch.Generator, head: bool) -> torch.Tensor:

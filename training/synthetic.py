@@ -455,7 +455,7 @@ def dataset(seed: int, count: int, split: str) -> list[Example]:
 def corpus(seed: int = 0, count: int = 3000, splits: tuple[str, ...] = ("train",)) -> list[str]:
     """Text to train a tokenizer on: the segments the encoder tokenises one by one (states, instructions,
     question types, rendered options) of records from the given template families."""
-    from clef_cuda.encoding import question_options, render
+    from clef_cuda.request.encoding import question_options, render
 
     rng = random.Random(seed)
     texts = ["system", "user", "assistant", "noul", "choice", "score"]

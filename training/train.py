@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from clef_cuda.config import FULL_ATTENTION, LINEAR_ATTENTION, HeadConfig, TrunkConfig
-from clef_cuda.default_model import SPECIAL_TOKENS, release_config
-from clef_cuda.encoding import (
+from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, HeadConfig, TrunkConfig
+from clef_cuda.model.default_model import SPECIAL_TOKENS, release_config
+from clef_cuda.model.head import RecordLayout
+from clef_cuda.request.encoding import (
     FIELD_END,
     NOUL_DEFAULTS,
     OPTIONS_HEADER,
@@ -37,7 +38,6 @@ from clef_cuda.encoding import (
     Tokenizer,
     encode_request,
 )
-from clef_cuda.head import RecordLayout
 from training import synthetic
 from training.model import TrainableClef
 
@@ -123,7 +123,7 @@ def scaffolding_tokens(tokenizer_json: str) -> list[int]:
     options made of a marker word and keeping the tokens that spell no part of the marker."""
     from tokenizers import Tokenizer as Backend
 
-    from clef_cuda.encoding import render
+    from clef_cuda.request.encoding import render
 
     backend, marker, ids = Backend.from_str(tokenizer_json), "zqx", set()
     for semantics in ({"option_id": marker}, {"option_id": marker, "description": marker}):

@@ -29,17 +29,17 @@ from typing import Any
 
 import torch
 
-from clef_cuda import answers
-from clef_cuda.adapters import Adapter, AdapterBatch, AdapterRegistry
-from clef_cuda.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, TrunkCache, VisionCache
 from clef_cuda.decider import Decider, record_chunk, request_images
-from clef_cuda.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.errors import ClefError, RequestTooLongError
-from clef_cuda.head import HeadInputs, RecordLayout
-from clef_cuda.images import PreparedImage
-from clef_cuda.trunk import ChunkBatch
+from clef_cuda.model.adapters import Adapter, AdapterBatch, AdapterRegistry
+from clef_cuda.model.head import HeadInputs, RecordLayout
+from clef_cuda.model.trunk import ChunkBatch
+from clef_cuda.request import answers
+from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
+from clef_cuda.request.images import PreparedImage
+from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, TrunkCache, VisionCache
 
-log = logging.getLogger("clef_cuda.engine")
+log = logging.getLogger("clef_cuda.serving.engine")
 
 
 class QueueFullError(ClefError):

@@ -115,7 +115,7 @@ class ReleaseConfig:
     # layout) or "model." (a text-only Qwen3_5ForCausalLM save).
     weight_prefix: str
     # The vision tower's config, when config.json has one (whether the release ships its weights is known
-    # only when they load: clef_cuda.weights).
+    # only when they load: clef_cuda.model.weights).
     vision: VisionConfig | None = None
     media_tokens: MediaTokens | None = None
     # The release's revision when it sits in a Hugging Face cache (.../snapshots/<revision>/): adapters

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from clef_cuda.config import FULL_ATTENTION, LINEAR_ATTENTION, ReleaseConfig, TrunkConfig
 from clef_cuda.errors import ClefError
+from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ReleaseConfig, TrunkConfig
 
-log = logging.getLogger("clef_cuda.adapters")
+log = logging.getLogger("clef_cuda.model.adapters")
 Tensor = torch.Tensor
 
 ADAPTER_DIR = "adapter"
@@ -360,7 +360,7 @@ class AdapterRegistry:
             )
             for kind in layers
         )
-        from clef_cuda.weights import head_shapes
+        from clef_cuda.model.weights import head_shapes
 
         head = (
             sum(math.prod(shape) for shape in head_shapes(self.base.head).values())
@@ -371,8 +371,8 @@ class AdapterRegistry:
 
     def load(self, name: str, directory: Path) -> Adapter:
         """Load a variant under a free name. AdapterError leaves what was served as it was."""
-        from clef_cuda.head import JointSchemaHead
-        from clef_cuda.weights import head_shapes
+        from clef_cuda.model.head import JointSchemaHead
+        from clef_cuda.model.weights import head_shapes
 
         try:
             with self._lock:

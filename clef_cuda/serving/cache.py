@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from clef_cuda.config import TrunkConfig
+from clef_cuda.model.config import TrunkConfig
 
 
 @dataclass

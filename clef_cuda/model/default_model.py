@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clef_cuda.config import TrunkConfig
 from clef_cuda.errors import ReleaseError
+from clef_cuda.model.config import TrunkConfig
 
 NAME = "clef-tiny"  # the model name clients send when clef-serve runs without --w
-RELEASE = Path(__file__).resolve().parent / "assets" / NAME
+RELEASE = Path(__file__).resolve().parents[1] / "assets" / NAME  # clef_cuda/assets: package data
 NOTICE = (
     "clef-serve is serving the EMBEDDED DEMO MODEL clef-tiny: a tiny model trained on synthetic support tickets, "
     "service logs and order timelines (training/README.md). It is not clef-flash; outside those questions its "

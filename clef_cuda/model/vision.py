@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from clef_cuda.config import VisionConfig
-from clef_cuda.images import PreparedImage
+from clef_cuda.model.config import VisionConfig
+from clef_cuda.request.images import PreparedImage
 
 Tensor = torch.Tensor
 LN_EPS = 1e-6

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from clef_cuda.errors import ReleaseError, RequestError, RequestTooLongError
 
 if TYPE_CHECKING:
-    from clef_cuda.config import MediaTokens
-    from clef_cuda.images import PreparedImage
+    from clef_cuda.model.config import MediaTokens
+    from clef_cuda.request.images import PreparedImage
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. Each answer must be exactly one of that "

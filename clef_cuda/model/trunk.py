@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from clef_cuda.cache import TrunkCache
+from clef_cuda.serving.cache import TrunkCache
 
 if TYPE_CHECKING:
-    from clef_cuda.adapters import AdapterBatch
-from clef_cuda.config import LINEAR_ATTENTION, TrunkConfig
+    from clef_cuda.model.adapters import AdapterBatch
 from clef_cuda.errors import NumericalOverflowError
+from clef_cuda.model.config import LINEAR_ATTENTION, TrunkConfig
 
 Tensor = torch.Tensor
 
@@ -213,7 +213,7 @@ class Trunk:
     # ---- forward --------------------------------------------------------------------------------
     def forward(self, batch: ChunkBatch, cache: TrunkCache, lora: AdapterBatch | None = None) -> Tensor:
         """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place.
-        `lora`: the variants of the chunk's rows (clef_cuda.adapters); rows outside it are the base model's."""
+        `lora`: the variants of the chunk's rows (clef_cuda.model.adapters); rows outside it are the base model's."""
         eps = self.config.rms_norm_eps
         x = self.embed[batch.input_ids].float()  # the residual stream stays fp32
         if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens

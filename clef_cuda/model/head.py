@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from clef_cuda.config import HeadConfig
-from clef_cuda.encoding import EncodedRecord
+from clef_cuda.model.config import HeadConfig
+from clef_cuda.request.encoding import EncodedRecord
 
 Tensor = torch.Tensor
 LN_EPS = 1e-5

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from clef_cuda import reference
-from clef_cuda.cache import TrunkCache
-from clef_cuda.trunk import ChunkBatch, SequenceChunk, Trunk, rms_norm
+from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk, rms_norm
+from clef_cuda.serving.cache import TrunkCache
 
 Tensor = torch.Tensor
 

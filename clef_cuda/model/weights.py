@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from clef_cuda.config import FULL_ATTENTION, HeadConfig, ReleaseConfig, TrunkConfig, VisionConfig
 from clef_cuda.errors import ReleaseError
+from clef_cuda.model.config import FULL_ATTENTION, HeadConfig, ReleaseConfig, TrunkConfig, VisionConfig
 
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.")
 VISION_PREFIX = "model.visual."  # read when config.json has a vision_config, else skipped
