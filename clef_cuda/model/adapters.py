@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from clef_cuda.errors import ClefError
-from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ReleaseConfig, TrunkConfig
+from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ReleaseConfig, TrunkConfig, read_json_object
 
 log = logging.getLogger("clef_cuda.model.adapters")
 Tensor = torch.Tensor
@@ -137,15 +137,7 @@ class Adapter:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise AdapterError(f"{path}: missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise AdapterError(f"{path}: not readable JSON ({error})") from error
-    if not isinstance(data, dict):
-        raise AdapterError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, AdapterError)
 
 
 def _check_directory(directory: Path) -> None:

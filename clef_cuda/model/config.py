@@ -123,16 +123,22 @@ class ReleaseConfig:
     revision: str | None = None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path, error: type[Exception] = ReleaseError, missing: str = "") -> dict[str, Any]:
+    """A JSON object from `path`, or `error` naming the file: missing (with the `missing` hint), unreadable
+    or not an object."""
     if not path.is_file():
-        raise ReleaseError(f"{path}: missing (a clef-flash release needs config.json and joint_head_config.json)")
+        raise error(f"{path}: missing{f' ({missing})' if missing else ''}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ReleaseError(f"{path}: not readable JSON ({error})") from error
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exception:
+        raise error(f"{path}: not readable JSON ({exception})") from exception
     if not isinstance(data, dict):
-        raise ReleaseError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return read_json_object(path, missing="a clef-flash release needs config.json and joint_head_config.json")
 
 
 class _Fields:
