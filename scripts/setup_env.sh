@@ -43,6 +43,21 @@ if [ ! -f .cache/nvrtc12/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 ]; then
     "nvidia-cuda-cccl-cu12==12.9.*" "nvidia-cuda-runtime-cu12==12.9.*"
 fi
 
+# The affinity test (tests/test_routing.py) puts two replicas behind Debian's HAProxy: install it where
+# this machine lets us (root with apt-get, as on the dev machines and CI); say so otherwise.
+if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then
+  sudo=$([ "$(id -u)" = 0 ] || { command -v sudo >/dev/null && echo sudo; } || echo none)
+  if [ "$sudo" != none ] && command -v apt-get >/dev/null; then
+    echo "== installing haproxy (Debian) for the affinity test"
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get install -y -q --no-install-recommends haproxy >/dev/null \
+      || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends haproxy >/dev/null; } \
+      || echo "WARNING: installing haproxy failed: tests/test_routing.py's affinity test will fail"
+  else
+    echo "WARNING: haproxy is not installed and cannot be installed here: tests/test_routing.py's affinity test will fail"
+  fi
+fi
+
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
 fi
