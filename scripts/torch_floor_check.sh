@@ -39,4 +39,4 @@ print('== testing', clef_cuda.__file__, 'with torch', torch.__version__, clef_cu
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -c /dev/null --rootdir "$run" \
   tests/test_server.py tests/test_decider.py tests/test_selfcheck.py tests/test_vision.py tests/test_vision_server.py \
   tests/test_clef_tiny.py::test_readme_curl_example_answers_as_printed tests/test_clef_tiny.py::test_golden_answers \
-  -k "not simulator"
+  -m "not simulator"

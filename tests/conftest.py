@@ -38,6 +38,24 @@ def cuda_available() -> bool:
     return clef_cuda.build_info()["variant"] == "cuda"
 
 
+def pytest_configure(config):
+    # Registered here as well as in pyproject.toml: the torch-floor run passes `-c /dev/null`.
+    config.addinivalue_line("markers", "simulator: builds the CUDA simulator from csrc/ (tests/cuda_sim)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that reaches the simulator, directly or through a parametrised backend, is marked
+    `simulator`, so a run without the sources (scripts/torch_floor_check.sh) deselects it by marker
+    instead of by a name that a new test might not carry."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        # a backend fixture parametrised "sim" fetches sim_ops at run time, so it is not in fixturenames
+        params = callspec.params.values() if callspec is not None else ()
+        uses_sim = "sim_ops" in item.fixturenames or any(isinstance(p, str) and p == "sim" for p in params)
+        if uses_sim:
+            item.add_marker(pytest.mark.simulator)
+
+
 @pytest.fixture(scope="session")
 def sim_ops():
     sys.path.insert(0, str(ROOT / "tests" / "cuda_sim"))
