@@ -60,7 +60,7 @@ def test_the_shipped_release_is_small_and_in_the_clef_flash_architecture():
 
 def test_heldout_accuracy_and_calibration_over_http(healthy):
     assert healthy.failures == 0
-    assert healthy.accuracy >= 0.95, evaluate.table(healthy, healthy, COUNT)
+    assert healthy.accuracy >= 0.95, evaluate.table(healthy, healthy, f"{COUNT} held-out examples")
     assert healthy.brier_score <= 0.08, healthy.brier_score
     assert healthy.expected_calibration_error <= 0.05, healthy.expected_calibration_error
     for question_id, (correct, asked) in healthy.by_question.items():
@@ -71,7 +71,7 @@ def test_heldout_accuracy_and_calibration_over_http(healthy):
 def test_the_seeds_key_band_bug_costs_at_least_20_points(healthy, key_band_zeroed):
     assert key_band_zeroed.failures == 0  # well-formed answers: exactly the failure a 200 hides
     drop = healthy.accuracy - key_band_zeroed.accuracy
-    assert drop >= 0.20, evaluate.table(healthy, key_band_zeroed, COUNT)
+    assert drop >= 0.20, evaluate.table(healthy, key_band_zeroed, f"{COUNT} held-out examples")
 
 
 def _assert_same_answers(got: dict, expected: dict, where: str) -> None:

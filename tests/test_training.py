@@ -84,7 +84,29 @@ def test_evaluation_harness_scores_a_release_over_http(trained):
     assert scores.requests == 12 and scores.failures == 0
     assert scores.questions >= 12 and 0.0 <= scores.brier_score <= 2.0
     assert sum(n for _, n in scores.by_question.values()) == scores.questions
+    assert sum(n for _, n in scores.by_type.values()) == scores.questions
     assert scores.cached_tokens > 0
+
+
+def test_the_handwritten_set_is_well_formed_and_covers_every_kind():
+    """tests/fixtures/clef_tiny_handwritten.json (requests written by hand, not by the generator): valid
+    System One requests whose answers are allowed options, every state kind and question type asked."""
+    from clef_cuda.request.encoding import question_options
+
+    examples = evaluate.handwritten()
+    assert len(examples) >= 60
+    kinds, types = set(), set()
+    for example in examples:
+        questions = example.request["questions"]
+        assert set(example.answers) == set(questions), example.request["state"]
+        for qid, answer in example.answers.items():
+            assert answer in [option for option, _ in question_options(questions[qid])], (qid, answer)
+            types.add(questions[qid]["type"])
+        kinds.add(example.kind)
+    assert kinds == {"log", "ticket", "order"} and types == {"noul", "choice", "score"}
+    rng = random.Random(14)
+    generated = {synthetic.make_example(rng, split).request["state"] for split in ("train", "heldout") * 500}
+    assert not generated & {e.request["state"] for e in examples}
 
 
 def _examples(count: int, seed: int) -> list[synthetic.Example]:

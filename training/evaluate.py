@@ -37,6 +37,7 @@ class Scores:
     brier: float = 0.0  # summed over questions: sum_k (p_k - [k is right])^2
     confidence_bins: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0, 0.0] for _ in range(10)])
     by_question: dict[str, list[int]] = field(default_factory=dict)  # question id -> [correct, asked]
+    by_type: dict[str, list[int]] = field(default_factory=dict)  # noul | choice | score -> [correct, asked]
     cached_tokens: int = 0
     input_tokens: int = 0
     requests: int = 0
@@ -56,7 +57,10 @@ class Scores:
         total = sum(b[0] for b in self.confidence_bins)
         return sum(abs(b[1] - b[2]) for b in self.confidence_bins if b[0]) / max(total, 1)
 
-    def add(self, question_id: str, distribution: dict[str, float], answer: str) -> None:
+    def kind_accuracy(self) -> dict[str, float]:
+        return {kind: c / n for kind, (c, n) in sorted(self.by_type.items())}
+
+    def add(self, question_id: str, question_type: str, distribution: dict[str, float], answer: str) -> None:
         predicted = max(distribution, key=distribution.get)
         right = predicted == answer
         self.questions += 1
@@ -65,8 +69,8 @@ class Scores:
         top = distribution[predicted]
         bin_ = self.confidence_bins[min(int(top * 10), 9)]
         bin_[0], bin_[1], bin_[2] = bin_[0] + 1, bin_[1] + top, bin_[2] + right
-        tally = self.by_question.setdefault(question_id, [0, 0])
-        tally[0], tally[1] = tally[0] + right, tally[1] + 1
+        for tally in (self.by_question.setdefault(question_id, [0, 0]), self.by_type.setdefault(question_type, [0, 0])):
+            tally[0], tally[1] = tally[0] + right, tally[1] + 1
 
 
 def distribution(answer: dict) -> dict[str, float]:
@@ -77,7 +81,18 @@ def distribution(answer: dict) -> dict[str, float]:
 
 
 def heldout(count: int, seed: int = TEST_SEED) -> list[synthetic.Example]:
+    """The generator's held-out family: vocabularies, formats and wordings training never shows."""
     return synthetic.dataset(seed, count, "heldout")
+
+
+# Requests written by hand, without the generator, with their right answers (the README's example first):
+# other people's log formats, tickets and orders. Neither training nor its development set sees them.
+HANDWRITTEN = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "clef_tiny_handwritten.json"
+
+
+def handwritten() -> list[synthetic.Example]:
+    cases = json.loads(HANDWRITTEN.read_text())
+    return [synthetic.Example(request=c["request"], answers=c["answers"], kind=c["kind"]) for c in cases]
 
 
 def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency: int = 8) -> Scores:
@@ -95,6 +110,9 @@ def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency
         request = dict(example.request, questions={qid: example.request["questions"][qid]})
         return request, {qid: example.answers[qid]}
 
+    def with_model(request: dict) -> dict:
+        return dict(request, model=model)
+
     # The passes go a group of `concurrency` examples at a time: the second pass then finds its states in
     # the prefix cache (over the whole set, the cache's least-recently-used entries would be gone).
     groups = [examples[i : i + concurrency] for i in range(0, len(examples), concurrency)]
@@ -103,17 +121,17 @@ def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency
             passes
             for group in groups
             for passes in (
-                [(dict(e.request, model=model), e.answers) for e in group],
-                [(dict(r, model=model), a) for r, a in map(last_question_only, group)],
+                [(with_model(e.request), e.answers) for e in group],
+                [(with_model(r), a) for r, a in map(last_question_only, group)],
             )
         ):
-            for (_, answers), body in zip(pass_, pool.map(lambda p: post(client, p[0]), pass_), strict=True):
+            for (request, answers), body in zip(pass_, pool.map(lambda p: post(client, p[0]), pass_), strict=True):
                 scores.requests += 1
                 if body is None:
                     scores.failures += 1
                     continue
                 for qid, answer in body["answers"].items():
-                    scores.add(qid, distribution(answer), answers[qid])
+                    scores.add(qid, request["questions"][qid]["type"], distribution(answer), answers[qid])
                 scores.cached_tokens += body.get("x_cached_tokens", 0)
                 scores.input_tokens += body["usage"]["input_tokens"]
     return scores
@@ -146,7 +164,10 @@ def serving(release: Path, ops=None, prefix_cache: bool = True):
         yield url, decider
 
 
-def evaluate(release: Path, count: int, key_band_zeroed: bool = False) -> Scores:
+def evaluate(
+    release: Path, count: int = 300, key_band_zeroed: bool = False, examples: list[synthetic.Example] | None = None
+) -> Scores:
+    """`examples` (default: `count` of the generator's held-out family) asked through a live server."""
     ops = None
     if key_band_zeroed:
         _tests_on_path()
@@ -156,7 +177,7 @@ def evaluate(release: Path, count: int, key_band_zeroed: bool = False) -> Scores
 
         ops = KeyBandZeroedOps(load_release_config(release).trunk.key_dim)
     with serving(release, ops) as (url, _):
-        return ask_all(url, heldout(count), "clef-tiny")
+        return ask_all(url, heldout(count) if examples is None else examples, "clef-tiny")
 
 
 # Hand-written requests in the task's domain (not from the generator) with their right answers: the README's
@@ -259,9 +280,11 @@ def write_golden(release: Path, path: Path) -> None:
     print(f"wrote {len(cases)} golden cases to {path}")
 
 
-def table(healthy: Scores, broken: Scores, count: int) -> str:
+def table(healthy: Scores, broken: Scores, examples: str) -> str:
+    """Healthy against key-band-zeroed: overall, per question kind and per question id; `examples` names
+    the set."""
     rows = [
-        "| clef-tiny over HTTP | questions | accuracy | Brier | ECE | prefix-cached tokens | non-200 |",
+        f"| clef-tiny over HTTP, {examples} | questions | accuracy | Brier | ECE | prefix-cached tokens | non-200 |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, s in (("healthy kernels", healthy), ("conv key band zeroed (the seed's bug)", broken)):
@@ -270,13 +293,16 @@ def table(healthy: Scores, broken: Scores, count: int) -> str:
             f"{s.expected_calibration_error:.3f} | {s.cached_tokens / max(s.input_tokens, 1):.0%} | {s.failures} |"
         )
     rows += ["", "| question | healthy | key band zeroed |", "|---|---|---|"]
-    for qid in sorted(healthy.by_question):
-        h, b = healthy.by_question[qid], broken.by_question.get(qid, [0, 1])
-        rows.append(f"| {qid} | {h[0] / h[1]:.3f} ({h[1]}) | {b[0] / b[1]:.3f} |")
+    for label, tallies in (("kind", "by_type"), ("", "by_question")):
+        h_tally, b_tally = getattr(healthy, tallies), getattr(broken, tallies)
+        for key in sorted(h_tally):
+            h, b = h_tally[key], b_tally.get(key, [0, 1])
+            name = f"{label} {key}" if label else key
+            rows.append(f"| {name} | {h[0] / h[1]:.3f} ({h[1]}) | {b[0] / b[1]:.3f} |")
     rows.append("")
     rows.append(
-        f"{count} held-out examples, each asked twice (all questions, then the last one alone). Accuracy drop "
-        f"with the key band zeroed: {100 * (healthy.accuracy - broken.accuracy):.1f} points."
+        f"{examples}, each asked twice (all questions, then the last one alone). Accuracy drop with the key "
+        f"band zeroed: {100 * (healthy.accuracy - broken.accuracy):.1f} points."
     )
     return "\n".join(rows)
 
@@ -301,9 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_golden:
         write_golden(release, args.write_golden)
         return 0
-    healthy = evaluate(release, args.count)
-    broken = evaluate(release, args.count, key_band_zeroed=True)
-    print(table(healthy, broken, args.count))
+    sets = {
+        f"{args.count} held-out examples": heldout(args.count),
+        f"{len(handwritten())} hand-written examples": handwritten(),
+    }
+    for name, examples in sets.items():
+        healthy = evaluate(release, examples=examples)
+        broken = evaluate(release, key_band_zeroed=True, examples=examples)
+        print(table(healthy, broken, name) + "\n", flush=True)
     return 0
 
 
