@@ -57,9 +57,6 @@ class Scores:
         total = sum(b[0] for b in self.confidence_bins)
         return sum(abs(b[1] - b[2]) for b in self.confidence_bins if b[0]) / max(total, 1)
 
-    def kind_accuracy(self) -> dict[str, float]:
-        return {kind: c / n for kind, (c, n) in sorted(self.by_type.items())}
-
     def add(self, question_id: str, question_type: str, distribution: dict[str, float], answer: str) -> None:
         predicted = max(distribution, key=distribution.get)
         right = predicted == answer
@@ -81,7 +78,7 @@ def distribution(answer: dict) -> dict[str, float]:
 
 
 def heldout(count: int, seed: int = TEST_SEED) -> list[synthetic.Example]:
-    """The generator's held-out family: vocabularies, formats and wordings training never shows."""
+    """The generator's held-out family: templates, wordings, names and products training never shows."""
     return synthetic.dataset(seed, count, "heldout")
 
 
@@ -110,9 +107,6 @@ def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency
         request = dict(example.request, questions={qid: example.request["questions"][qid]})
         return request, {qid: example.answers[qid]}
 
-    def with_model(request: dict) -> dict:
-        return dict(request, model=model)
-
     # The passes go a group of `concurrency` examples at a time: the second pass then finds its states in
     # the prefix cache (over the whole set, the cache's least-recently-used entries would be gone).
     groups = [examples[i : i + concurrency] for i in range(0, len(examples), concurrency)]
@@ -121,8 +115,8 @@ def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency
             passes
             for group in groups
             for passes in (
-                [(with_model(e.request), e.answers) for e in group],
-                [(with_model(r), a) for r, a in map(last_question_only, group)],
+                [(dict(e.request, model=model), e.answers) for e in group],
+                [(dict(r, model=model), a) for r, a in map(last_question_only, group)],
             )
         ):
             for (request, answers), body in zip(pass_, pool.map(lambda p: post(client, p[0]), pass_), strict=True):
