@@ -58,6 +58,7 @@ class TrunkCache:
         self-check runs one layer of each kind on a pool of its own)."""
         linear, attention = layers or (len(config.linear_layers), len(config.attention_layers))
         k = config.linear_conv_kernel_dim
+        kv_shape = (attention, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         return cls(
             conv_states=torch.zeros(linear, num_slots, config.conv_dim, k - 1, dtype=dtype, device=device),
             gdr_states=torch.zeros(
@@ -69,24 +70,8 @@ class TrunkCache:
                 dtype=torch.float32,
                 device=device,
             ),
-            key_cache=torch.zeros(
-                attention,
-                num_blocks,
-                block_size,
-                config.num_key_value_heads,
-                config.head_dim,
-                dtype=dtype,
-                device=device,
-            ),
-            value_cache=torch.zeros(
-                attention,
-                num_blocks,
-                block_size,
-                config.num_key_value_heads,
-                config.head_dim,
-                dtype=dtype,
-                device=device,
-            ),
+            key_cache=torch.zeros(kv_shape, dtype=dtype, device=device),
+            value_cache=torch.zeros(kv_shape, dtype=dtype, device=device),
             block_size=block_size,
         )
 
