@@ -110,7 +110,7 @@ def extension_modules():
 
     csrc = ROOT / "csrc"
     families = ["conv1d", "gated_delta_rule", "paged_attention"]
-    sources = ["csrc/bindings.cpp"]
+    sources = ["csrc/bindings.cpp", "csrc/common/cpu_isa_ops.cpp"]
     for family in families:
         sources += [f"csrc/{family}/{family}_ops.cpp", f"csrc/{family}/{family}_cpu.cpp"]
     # -fopenmp: at::parallel_for is a header template that only runs in parallel when the including file

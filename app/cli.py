@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     args.served_model_name = served_model_name(args)  # before --w is filled in with the embedded model
     # Fail fast, in one line, on what can be checked before the (slow) load.
     try:
+        import clef_cuda.ops  # noqa: F401  (applies CLEF_CPU_ISA: ValueError for a variant this CPU lacks)
+
         resolve_device(args.device)
         if args.weights is None:
             from clef_cuda.model import default_model

@@ -13,6 +13,10 @@ previous chunk's state. A batch must not give two sequences the same slot.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
 
 from clef_cuda import _C  # noqa: F401  (registers torch.ops.clef)
@@ -262,6 +266,29 @@ class OpLibrary:
             kernel,
         )
 
+    # ---- the CPU kernels' instruction set ------------------------------------------------------------
+    def supported_cpu_isas(self) -> list[str]:
+        """The CPU kernel variants this machine can run, best first: ["avx512", "avx2", "baseline"] on
+        an AVX-512 x86-64, ["avx2", "baseline"] on an AVX2 one, ["baseline"] elsewhere."""
+        return list(self._ops.supported_cpu_isas())
+
+    def cpu_isa(self) -> str:
+        """The variant the CPU kernels run now: the best supported unless set_cpu_isa or CLEF_CPU_ISA chose."""
+        return self._ops.cpu_isa()
+
+    def set_cpu_isa(self, isa: str) -> str:
+        """Run the CPU kernels' `isa` variant ("auto" = the best supported) from the next op on, for the
+        whole process; returns the previous one. ValueError names an unknown or unsupported isa."""
+        return self._ops.set_cpu_isa(isa)
+
+    @contextlib.contextmanager
+    def using_cpu_isa(self, isa: str) -> Iterator[None]:
+        previous = self.set_cpu_isa(isa)
+        try:
+            yield
+        finally:
+            self.set_cpu_isa(previous)
+
 
 def _register_fake_kernels(namespace: str) -> None:
     """Fake (meta) kernels: every op only mutates arguments the caller allocated, so there is nothing to
@@ -287,3 +314,25 @@ gated_delta_rule_recurrent = _default.gated_delta_rule_recurrent
 reshape_and_cache = _default.reshape_and_cache
 paged_attention = _default.paged_attention
 paged_attention_dispatch = _default.paged_attention_dispatch
+supported_cpu_isas = _default.supported_cpu_isas
+cpu_isa = _default.cpu_isa
+set_cpu_isa = _default.set_cpu_isa
+using_cpu_isa = _default.using_cpu_isa
+
+CPU_ISA_ENV = "CLEF_CPU_ISA"
+
+
+def apply_cpu_isa_env() -> None:
+    """CLEF_CPU_ISA=avx2 (or avx512, baseline, auto) pins the CPU kernels' variant for this process, e.g.
+    to run the AVX2 code on an AVX-512 machine. ValueError, naming the variable, for a value this machine
+    cannot run."""
+    value = os.environ.get(CPU_ISA_ENV, "").strip().lower()
+    if not value:
+        return
+    try:
+        set_cpu_isa(value)
+    except (ValueError, RuntimeError) as error:
+        raise ValueError(f"{CPU_ISA_ENV}={value}: {error}") from None
+
+
+apply_cpu_isa_env()

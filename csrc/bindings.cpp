@@ -46,6 +46,10 @@ CLEF_LIBRARY(CLEF_NS, m) {
   m.def(
       "paged_attention_dispatch(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
       "Tensor context_lens, Tensor block_tables, str kernel=\"auto\") -> str");
+  // No tensors: one kernel for every dispatch key.
+  m.def("supported_cpu_isas() -> str[]", &clef::supported_cpu_isas);
+  m.def("cpu_isa() -> str", &clef::get_cpu_isa);
+  m.def("set_cpu_isa(str isa) -> str", &clef::set_cpu_isa);
 }
 
 #define CLEF_REGISTER_IMPLS(m)                                          \

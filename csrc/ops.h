@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <c10/util/string_view.h>
 
@@ -36,5 +37,11 @@ std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& 
                                      const at::Tensor& value_cache, const at::Tensor& cu_seqlens_q,
                                      const at::Tensor& context_lens, const at::Tensor& block_tables,
                                      c10::string_view kernel);
+
+// The CPU kernels' instruction-set variant (common/cpu_kernel.h): "avx512", "avx2" or "baseline".
+std::vector<std::string> supported_cpu_isas();  // best first
+std::string get_cpu_isa();
+// name: "auto" (the best supported) or one of supported_cpu_isas(); returns the previous choice.
+std::string set_cpu_isa(c10::string_view name);
 
 }  // namespace clef

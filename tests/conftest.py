@@ -1,8 +1,10 @@
 """Shared fixtures: the op backends under test and the upstream oracles.
 
-Backends: ``cpu`` (clef_cuda._C on CPU tensors), ``cuda`` (clef_cuda._C on the GPU, where one exists and
-the extension was built with CUDA) and ``sim`` (the same CUDA kernels and launchers, run on the CPU by the
-test-only simulator in tests/cuda_sim; small shapes only, every CUDA thread is an OS thread).
+Backends: ``cpu-avx512``, ``cpu-avx2``, ``cpu-baseline`` (clef_cuda._C on CPU tensors, each CPU kernel
+variant this machine can run: an AVX-512 machine tests the AVX2 code too), ``cuda`` (clef_cuda._C on the
+GPU, where one exists and the extension was built with CUDA) and ``sim`` (the same CUDA kernels and
+launchers, run on the CPU by the test-only simulator in tests/cuda_sim; small shapes only, every CUDA
+thread is an OS thread). ``backend.kind`` is "cpu", "cuda" or "sim", for shape tables.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ FLA_NAIVE = ROOT / ".oracles" / "fla" / "fla" / "ops" / "gated_delta_rule" / "na
 
 @dataclass
 class Backend:
-    name: str
+    name: str  # "cpu-avx2", "cuda", "sim"
     ops: object  # clef_cuda.ops.OpLibrary
     device: torch.device
+
+    @property
+    def kind(self) -> str:
+        return self.name.split("-")[0]
 
     def __repr__(self) -> str:
         return self.name
@@ -79,26 +85,39 @@ def simulated(compute_capability: int | None = None, fault: str | None = None):
             sim.set_fault(saved_fault)
 
 
-BACKENDS = ["cpu", "sim"] + (["cuda"] if cuda_available() else [])
+def cpu_isas() -> list[str]:
+    """The CPU kernel variants this machine runs (clef_cuda.ops.supported_cpu_isas), best first."""
+    from clef_cuda import ops
+
+    return ops.supported_cpu_isas()
+
+
+CPU_BACKENDS = [f"cpu-{isa}" for isa in cpu_isas()]
+BACKENDS = CPU_BACKENDS + ["sim"] + (["cuda"] if cuda_available() else [])
+
+
+def _make_backend(request, name: str):
+    """The backend `name`; a cpu-ISA one runs that variant for the test's duration (then restores)."""
+    from clef_cuda import ops
+
+    if name == "sim":
+        yield Backend("sim", request.getfixturevalue("sim_ops"), torch.device("cpu"))
+    elif name == "cuda":
+        yield Backend("cuda", ops._default, torch.device("cuda"))
+    else:
+        with ops.using_cpu_isa(name.removeprefix("cpu-")):
+            yield Backend(name, ops._default, torch.device("cpu"))
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request) -> Backend:
-    from clef_cuda import ops
-
-    if request.param == "cpu":
-        return Backend("cpu", ops._default, torch.device("cpu"))
-    if request.param == "cuda":
-        return Backend("cuda", ops._default, torch.device("cuda"))
-    return Backend("sim", request.getfixturevalue("sim_ops"), torch.device("cpu"))
+def backend(request):
+    yield from _make_backend(request, request.param)
 
 
 @pytest.fixture(params=[b for b in BACKENDS if b != "sim"])
-def fast_backend(request) -> Backend:
+def fast_backend(request):
     """Backends that can take full-size shapes (the simulator cannot)."""
-    from clef_cuda import ops
-
-    return Backend(request.param, ops._default, torch.device(request.param))
+    yield from _make_backend(request, request.param)
 
 
 @pytest.fixture(autouse=True)

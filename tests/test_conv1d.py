@@ -32,7 +32,7 @@ def make_inputs(lengths, channels, dtype, device, num_slots=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_fwd_matches_reference(backend, dtype):
-    lengths, channel_counts = PACKS[backend.name]
+    lengths, channel_counts = PACKS[backend.kind]
     for channels in channel_counts:
         x, weight, bias, states, cu, slots, has_initial = make_inputs(lengths, channels, dtype, backend.device)
         x_view = strided(x)  # token stride != channels: the kernels must honour it
@@ -49,7 +49,7 @@ def test_fwd_matches_reference(backend, dtype):
 
 
 def test_fwd_without_bias_or_activation(backend):
-    lengths, channel_counts = PACKS[backend.name]
+    lengths, channel_counts = PACKS[backend.kind]
     x, weight, _, states, cu, slots, has_initial = make_inputs(
         lengths, channel_counts[0], torch.float32, backend.device
     )
@@ -76,7 +76,7 @@ def test_update_matches_reference(backend, dtype):
 def test_chunked_prefill_then_decode_equals_one_pass(backend):
     """Prefill split at odd boundaries, then token-by-token decode == one conv over the whole sequence."""
     channels = 96
-    total = 150 if backend.name != "sim" else 80
+    total = 150 if backend.kind != "sim" else 80
     x = torch.randn(total, channels, device=backend.device)
     weight, bias = torch.randn(channels, WIDTH, device=backend.device), torch.randn(channels, device=backend.device)
     states = torch.zeros(3, channels, WIDTH - 1, device=backend.device)

@@ -35,7 +35,7 @@ def make_inputs(lengths, hk, hv, dk, dv, dtype, device, num_slots=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_chunk_matches_reference(backend, dtype):
-    lengths, shapes = CASES[backend.name]
+    lengths, shapes = CASES[backend.kind]
     for hk, hv, dk, dv in shapes:
         q, k, v, g, beta, states, cu, slots, has_initial = make_inputs(lengths, hk, hv, dk, dv, dtype, backend.device)
         expected_states = states.clone()
@@ -54,7 +54,7 @@ def test_chunk_matches_reference(backend, dtype):
 
 
 def test_chunk_without_l2norm_and_custom_scale(backend):
-    lengths, shapes = CASES[backend.name]
+    lengths, shapes = CASES[backend.kind]
     hk, hv, dk, dv = shapes[0]
     q, k, v, g, beta, states, cu, slots, has_initial = make_inputs(
         lengths, hk, hv, dk, dv, torch.float32, backend.device
@@ -70,7 +70,7 @@ def test_chunk_without_l2norm_and_custom_scale(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_recurrent_matches_reference(backend, dtype):
-    _, shapes = CASES[backend.name]
+    _, shapes = CASES[backend.kind]
     hk, hv, dk, dv = shapes[0]
     batch = 5
     q, k, v, g, beta, states, _, _, _ = make_inputs([1] * batch, hk, hv, dk, dv, dtype, backend.device)
@@ -84,14 +84,14 @@ def test_recurrent_matches_reference(backend, dtype):
 
 def test_chunked_prefill_then_decode_equals_one_long_recurrence(backend):
     """Prefill chunks at odd boundaries, then recurrent decode == the reference recurrence over all tokens."""
-    _, shapes = CASES[backend.name]
+    _, shapes = CASES[backend.kind]
     hk, hv, dk, dv = shapes[0]
-    total = 150 if backend.name != "sim" else 24
+    total = 150 if backend.kind != "sim" else 24
     q, k, v, g, beta, _, _, _, _ = make_inputs([total], hk, hv, dk, dv, torch.float32, backend.device)
     states = torch.zeros(2, hv, dk, dv, device=backend.device)
     slot = torch.tensor([1], dtype=torch.int32, device=backend.device)
     pieces, start = [], 0
-    for n in (1, 70, 9) if backend.name != "sim" else (1, 9, 3):
+    for n in (1, 70, 9) if backend.kind != "sim" else (1, 9, 3):
         cu = cu_seqlens_of([n], backend.device)
         initial = torch.tensor([start > 0], device=backend.device)
         sl = slice(start, start + n)

@@ -64,12 +64,12 @@ def check_conv_bands(conv_fwd, key_dim: int, value_dim: int, device, lengths=(5,
 
 
 def test_every_conv_band_matches_reference(backend):
-    for key_dim, value_dim in SPLITS[backend.name]:
+    for key_dim, value_dim in SPLITS[backend.kind]:
         check_conv_bands(with_key_dim(backend.ops.causal_conv1d_fwd), key_dim, value_dim, backend.device)
 
 
 def test_band_check_catches_a_zeroed_key_band(backend):
-    key_dim, value_dim = SPLITS[backend.name][0]
+    key_dim, value_dim = SPLITS[backend.kind][0]
     with pytest.raises(AssertionError, match="k band"):
         check_conv_bands(key_band_zeroed(backend.ops.causal_conv1d_fwd), key_dim, value_dim, backend.device)
 
@@ -146,7 +146,7 @@ def check_gdn_layer(conv_fwd, gdr_chunk, lengths=(9, 70), device="cpu", **shape)
 
 @pytest.mark.parametrize("shape", [dict(hk=2, hv=4, dk=32, dv=32), dict(hk=2, hv=2, dk=16, dv=16)])
 def test_gdn_layer_from_ops_matches_transformers(backend, shape):
-    lengths = (3, 10) if backend.name == "sim" else (9, 70)
+    lengths = (3, 10) if backend.kind == "sim" else (9, 70)
     ops = backend.ops
     check_gdn_layer(with_key_dim(ops.causal_conv1d_fwd), ops.gated_delta_rule_chunk, lengths, backend.device, **shape)
 

@@ -54,7 +54,7 @@ def cuda_kernels(request) -> Backend:
 
 
 def skip_without_bf16_tensor_cores(backend: Backend, dtype: torch.dtype) -> None:
-    if backend.name == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
+    if backend.kind == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 tensor cores need sm_80 (this GPU runs bf16 on the SIMT kernel)")
 
 
@@ -120,7 +120,7 @@ def attention_failures(backend, dtype, heads, sequences, kernel="auto") -> list[
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_attention_matches_reference(backend, dtype):
     """The op as the trunk calls it (on a GPU, or in the simulator: the kernel the dispatch rule picks)."""
-    assert not attention_failures(backend, dtype, HEADS[backend.name], SEQUENCES[backend.name])
+    assert not attention_failures(backend, dtype, HEADS[backend.kind], SEQUENCES[backend.kind])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -150,7 +150,7 @@ def test_the_wmma_tests_catch_an_injected_fault(sim_ops, fault):
 
 
 def test_custom_scale_and_empty_sequences(backend):
-    hq, hkv, d, block_size = HEADS[backend.name][1]
+    hq, hkv, d, block_size = HEADS[backend.kind][1]
     sequences = [(0, 5), (3, 7), (0, 0)]  # sequences with no new queries in the pack
     key_cache, value_cache, block_tables = make_cache(sequences, hkv, d, block_size, torch.float32, backend.device)
     fill_context(sequences, key_cache, value_cache, block_tables, torch.float32, backend.device)
@@ -217,9 +217,9 @@ def chunked_attention(ops, device, dtype, heads, total, chunks, kernel="auto"):
 
 def test_chunked_prefill_and_decode_equal_full_causal_attention(backend):
     """Writing a sequence's KV chunk by chunk and attending each chunk over the cache == one causal pass."""
-    total = 90 if backend.name != "sim" else 14
-    chunks = (40, 1, 33, 16) if backend.name != "sim" else (5, 1, 8)
-    out, expected = chunked_attention(backend.ops, backend.device, torch.float32, HEADS[backend.name][0], total, chunks)
+    total = 90 if backend.kind != "sim" else 14
+    chunks = (40, 1, 33, 16) if backend.kind != "sim" else (5, 1, 8)
+    out, expected = chunked_attention(backend.ops, backend.device, torch.float32, HEADS[backend.kind][0], total, chunks)
     assert rel_err(out, expected) < 1e-5
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from clef_cuda import reference
+from clef_cuda import ops, reference
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk, rms_norm
 from clef_cuda.serving.cache import TrunkCache
 
@@ -80,6 +80,11 @@ class SelfCheckReport:
     dtype: str
     seconds: float
     checks: tuple[Check, ...]
+    cpu_isa: str | None = None  # on the CPU: the kernel variant checked (clef_cuda.ops.cpu_isa)
+
+    @property
+    def where(self) -> str:
+        return f"{self.device} {self.dtype}" + (f" ({self.cpu_isa} kernels)" if self.cpu_isa else "")
 
     @property
     def passed(self) -> bool:
@@ -92,10 +97,9 @@ class SelfCheckReport:
     def summary(self) -> str:
         """One line: 'passed (N checks)' or the failing checks with their errors."""
         if self.passed:
-            return f"passed ({len(self.checks)} checks on {self.device} {self.dtype}, {self.seconds:.2f} s)"
-        return "FAILED on {} {}: {}".format(
-            self.device,
-            self.dtype,
+            return f"passed ({len(self.checks)} checks on {self.where}, {self.seconds:.2f} s)"
+        return "FAILED on {}: {}".format(
+            self.where,
             "; ".join(
                 f"{c.name} ({c.error})"
                 if c.error
@@ -107,7 +111,7 @@ class SelfCheckReport:
     def table(self) -> str:
         width = max(len(c.name) for c in self.checks)
         lines = [
-            f"self-check on {self.device} {self.dtype}: {'PASSED' if self.passed else 'FAILED'} ({self.seconds:.2f} s)",
+            f"self-check on {self.where}: {'PASSED' if self.passed else 'FAILED'} ({self.seconds:.2f} s)",
             f"{'check':<{width}}  {'max abs error':>13}  {'tolerance':>9}  result",
         ]
         for c in self.checks:
@@ -130,6 +134,7 @@ class SelfCheckReport:
             "passed": self.passed,
             "device": self.device,
             "dtype": self.dtype,
+            "cpu_isa": self.cpu_isa,
             "seconds": round(self.seconds, 4),
             "checks": checks,
         }
@@ -147,7 +152,11 @@ def run_selfcheck(trunk: Trunk, *, block_size: int = 16, seed: int = 0) -> SelfC
         if check.device.type == "cuda":
             torch.cuda.synchronize(check.device)
     seconds = time.perf_counter() - started
-    return SelfCheckReport(str(check.device), str(trunk.dtype).removeprefix("torch."), seconds, tuple(results))
+    cpu_isa = None
+    if check.device.type == "cpu":  # the CPU kernels come in variants (CLEF_CPU_ISA): say which one passed
+        cpu_isa = ops.cpu_isa()
+    dtype = str(trunk.dtype).removeprefix("torch.")
+    return SelfCheckReport(str(check.device), dtype, seconds, tuple(results), cpu_isa)
 
 
 @contextlib.contextmanager

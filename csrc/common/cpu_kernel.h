@@ -1,38 +1,80 @@
 // Helpers for the CPU implementations (host only, never seen by nvcc or NVRTC).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
-// Hot CPU loops are compiled three times (AVX-512, AVX2+FMA, baseline x86-64) and the loader picks the
-// best one the machine has, so one wheel runs everywhere and still vectorises. Apply it only to
-// non-template functions (GCC's target_clones does not support templates) that inline the body.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(CLEF_NO_TARGET_CLONES)
-#define CLEF_CPU_KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// Hot CPU loops are compiled three times (AVX-512, AVX2+FMA, baseline x86-64) and cpu_isa() picks which
+// one runs: the best the machine has, or the one CLEF_CPU_ISA / clef_cuda.ops.set_cpu_isa asks for, so
+// one wheel runs everywhere, still vectorises, and an AVX-512 machine can run (and test) the AVX2 code.
+// CLEF_CPU_VARIANTS defines name_avx512, name_avx2 and name_baseline from one body (a call `impl args`
+// that inlines: GCC's target attributes do not apply to templates, so impl is a template the three
+// non-template variants instantiate) and name_for(isa), which returns the one to call.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(CLEF_NO_CPU_VARIANTS)
+#define CLEF_CPU_HAS_VARIANTS 1
+#define CLEF_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define CLEF_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
 #else
-#define CLEF_CPU_KERNEL
+#define CLEF_CPU_HAS_VARIANTS 0
+#define CLEF_TARGET_AVX512
+#define CLEF_TARGET_AVX2
 #endif
 #define CLEF_INLINE inline __attribute__((always_inline))
 
+#define CLEF_CPU_VARIANTS(name, params, args, impl)                                 \
+  static CLEF_TARGET_AVX512 void name##_avx512 params { impl args; }                \
+  static CLEF_TARGET_AVX2 void name##_avx2 params { impl args; }                    \
+  static void name##_baseline params { impl args; }                                 \
+  inline auto name##_for(::clef::CpuIsa isa) {                                      \
+    return isa == ::clef::CpuIsa::Avx512 ? name##_avx512                            \
+           : isa == ::clef::CpuIsa::Avx2 ? name##_avx2 : name##_baseline;           \
+  }
+
 namespace clef {
+
+// Ordered: a machine that runs one runs every one below it.
+enum class CpuIsa : int { Baseline = 0, Avx2 = 1, Avx512 = 2 };
+
+inline const char* cpu_isa_name(CpuIsa isa) {
+  return isa == CpuIsa::Avx512 ? "avx512" : isa == CpuIsa::Avx2 ? "avx2" : "baseline";
+}
+
+// avx512: x86-64-v4 (AVX-512 F/BW/CD/DQ/VL); avx2: x86-64-v3 (AVX2, FMA, F16C, BMI); baseline: anything.
+// Without variants (another compiler or architecture) the three are the same code: only baseline is offered.
+inline bool cpu_supports(CpuIsa isa) {
+  if (isa == CpuIsa::Baseline) return true;
+#if CLEF_CPU_HAS_VARIANTS
+  return isa == CpuIsa::Avx512 ? __builtin_cpu_supports("x86-64-v4") : __builtin_cpu_supports("x86-64-v3");
+#else
+  return false;
+#endif
+}
+
+inline CpuIsa best_cpu_isa() {
+  for (CpuIsa isa : {CpuIsa::Avx512, CpuIsa::Avx2})
+    if (cpu_supports(isa)) return isa;
+  return CpuIsa::Baseline;
+}
+
+// The process-wide choice (set_cpu_isa in cpu_isa_ops.cpp changes it). An op reads it once at its start,
+// so a change never mixes two variants inside one op.
+inline std::atomic<int>& cpu_isa_setting() {
+  static std::atomic<int> setting{static_cast<int>(best_cpu_isa())};
+  return setting;
+}
+inline CpuIsa cpu_isa() { return static_cast<CpuIsa>(cpu_isa_setting().load(std::memory_order_relaxed)); }
 
 // 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones. aligned(4) lets it load from any float
 // address. Used where the compiler's auto-vectoriser would not keep accumulators in registers.
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 constexpr int kLanes = 16;
 
-// Whether the CPU has 32 512-bit vector registers (AVX-512F). A vf16 takes one register there and two on
-// AVX2 (16 256-bit registers), so a register block that fits AVX-512 spills to the stack on AVX2 on every
-// step: callers with large register blocks pick a smaller one without it (measured 2026-12-01 on an AVX2
-// EPYC: attention prefill 11x slower than eager torch with the AVX-512 block).
-inline bool has_512bit_registers() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  return wide;
-#else
-  return false;
-#endif
-}
+// Whether the variant in use has 32 512-bit vector registers. A vf16 takes one register there and two
+// on AVX2 (16 256-bit registers), so a register block that fits AVX-512 spills to the stack on AVX2 on
+// every step: callers with large register blocks pick a smaller one without it (measured 2026-12-01 on an
+// AVX2 EPYC: attention prefill 11x slower than eager torch with the AVX-512 block).
+inline bool has_512bit_registers(CpuIsa isa) { return isa == CpuIsa::Avx512; }
 
 CLEF_INLINE vf16 load_vf16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
 CLEF_INLINE void store_vf16(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }

@@ -88,19 +88,18 @@ CLEF_INLINE void conv1d_block_any_width(const Conv1dParams& p, int b, int c0, in
 
 }  // namespace
 
-// One cloned entry per dtype (target_clones cannot be put on the templates above).
-CLEF_CPU_KERNEL void conv1d_block_f32(const Conv1dParams& p, int b, int c0, int c1) {
-  conv1d_block_any_width<float>(p, b, c0, c1);
-}
-CLEF_CPU_KERNEL void conv1d_block_f16(const Conv1dParams& p, int b, int c0, int c1) {
-  conv1d_block_any_width<c10::Half>(p, b, c0, c1);
-}
-CLEF_CPU_KERNEL void conv1d_block_bf16(const Conv1dParams& p, int b, int c0, int c1) {
-  conv1d_block_any_width<c10::BFloat16>(p, b, c0, c1);
-}
+// One entry per dtype and instruction set (the variants cannot be put on the templates above).
+#define CLEF_CONV1D_CPU_ENTRY(name, T) \
+  CLEF_CPU_VARIANTS(name, (const Conv1dParams& p, int b, int c0, int c1), (p, b, c0, c1), conv1d_block_any_width<T>)
+CLEF_CONV1D_CPU_ENTRY(conv1d_block_f32, float)
+CLEF_CONV1D_CPU_ENTRY(conv1d_block_f16, c10::Half)
+CLEF_CONV1D_CPU_ENTRY(conv1d_block_bf16, c10::BFloat16)
 
 void conv1d_fwd_cpu(const Conv1dParams& p, ScalarKind kind) {
-  auto block_fn = kind == ScalarKind::F32 ? conv1d_block_f32 : kind == ScalarKind::F16 ? conv1d_block_f16 : conv1d_block_bf16;
+  const CpuIsa isa = cpu_isa();
+  auto block_fn = kind == ScalarKind::F32   ? conv1d_block_f32_for(isa)
+                  : kind == ScalarKind::F16 ? conv1d_block_f16_for(isa)
+                                            : conv1d_block_bf16_for(isa);
   const int channel_blocks = (p.channels + kChannelBlock - 1) / kChannelBlock;
   const int64_t items = static_cast<int64_t>(p.batch) * channel_blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {

@@ -186,21 +186,24 @@ CLEF_INLINE void gdr_block_any_width(const GatedDeltaRuleParams& p, int b, int h
 
 }  // namespace
 
-#define CLEF_GDR_CPU_ENTRY(name, T)                                                                              \
-  CLEF_CPU_KERNEL void name(const GatedDeltaRuleParams& p, int b, int hv, int c0, int width,                     \
-                            std::vector<float>& state, TokenInputs& cur, TokenInputs& next) {                    \
-    gdr_block_any_width<T>(p, b, hv, c0, width, state, cur, next);                                               \
-  }
+#define CLEF_GDR_CPU_ENTRY(name, T)                                                                \
+  CLEF_CPU_VARIANTS(name,                                                                          \
+                    (const GatedDeltaRuleParams& p, int b, int hv, int c0, int width, std::vector<float>& state, \
+                     TokenInputs& cur, TokenInputs& next),                                         \
+                    (p, b, hv, c0, width, state, cur, next), gdr_block_any_width<T>)
 CLEF_GDR_CPU_ENTRY(gdr_block_f32, float)
 CLEF_GDR_CPU_ENTRY(gdr_block_f16, c10::Half)
 CLEF_GDR_CPU_ENTRY(gdr_block_bf16, c10::BFloat16)
 
 void gated_delta_rule_cpu(const GatedDeltaRuleParams& p, ScalarKind kind) {
-  auto block_fn = kind == ScalarKind::F32 ? gdr_block_f32 : kind == ScalarKind::F16 ? gdr_block_f16 : gdr_block_bf16;
+  const CpuIsa isa = cpu_isa();
+  auto block_fn = kind == ScalarKind::F32   ? gdr_block_f32_for(isa)
+                  : kind == ScalarKind::F16 ? gdr_block_f16_for(isa)
+                                            : gdr_block_bf16_for(isa);
   // 32 columns keep 8 vf16 accumulators plus the update in registers with AVX-512; with AVX2 (two 256-bit
   // registers per vf16, 16 in all) they spill on every row, so there a block is 16 columns. Columns are
   // independent: the width changes no result.
-  const int width = has_512bit_registers() ? kColumnBlock : kLanes;
+  const int width = has_512bit_registers(isa) ? kColumnBlock : kLanes;
   const int column_blocks = (p.head_v_dim + width - 1) / width;
   const int64_t items = static_cast<int64_t>(p.batch) * p.num_v_heads * column_blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {

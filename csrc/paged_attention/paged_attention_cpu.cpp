@@ -50,8 +50,8 @@ CLEF_INLINE void micro_kernel(const float* A, int64_t lda, const float* B, int64
 // blocks, whose 4 accumulators and 1 load fit 10 of AVX2's 16 registers (8 x 32 would need 36: spills).
 // The blocking changes no result: every element of C sums over k in the same order either way.
 CLEF_INLINE void gemm_acc(const float* A, int64_t lda, const float* B, int64_t ldb, int K, float* C, int64_t ldc, int rows,
-                          int cols) {
-  if (!has_512bit_registers()) {
+                          int cols, bool wide_registers) {
+  if (!wide_registers) {
     for (int r = 0; r < rows; r += kRowBlock)
       for (int c = 0; c < cols; c += kLanes) micro_kernel<4, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
     return;
@@ -123,6 +123,7 @@ CLEF_INLINE void gather_tile(const PagedAttentionParams& p, int b, int kv_head, 
 }
 
 struct AttnScratch {
+  bool wide_registers = false;  // has_512bit_registers for the variant that runs: the gemm_acc block
   std::vector<float> q, scores, out, m, l, tile;
   std::vector<int32_t> tile_ok;
   std::vector<int> pos;
@@ -200,7 +201,7 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
     }
     const float* vt = kt + static_cast<int64_t>(Dp) * keys;
     std::fill(w.scores.begin(), w.scores.end(), 0.0f);
-    gemm_acc(w.q.data(), Dp, kt, keys, Dp, w.scores.data(), keys, rows_p, keys);
+    gemm_acc(w.q.data(), Dp, kt, keys, Dp, w.scores.data(), keys, rows_p, keys, w.wide_registers);
     for (int r = 0; r < rows; ++r) {
       float* srow = w.scores.data() + static_cast<size_t>(r) * keys;
       const int last = w.pos[r] - k0;  // keys kk <= last are causal for this row
@@ -228,7 +229,7 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
       if (step.alpha != 1.0f)
         for (int d = 0; d < Dp; ++d) orow[d] *= step.alpha;
     }
-    gemm_acc(w.scores.data(), keys, vt, Dp, nk, w.out.data(), Dp, rows_p, Dp);
+    gemm_acc(w.scores.data(), keys, vt, Dp, nk, w.out.data(), Dp, rows_p, Dp, w.wide_registers);
   }
   T* out = static_cast<T*>(p.out);
   for (int r = 0; r < rows; ++r) {
@@ -258,23 +259,24 @@ CLEF_INLINE void cache_write_token(const CacheWriteParams& p, int64_t token) {
 
 }  // namespace
 
-#define CLEF_ATTN_CPU_ENTRIES(suffix, T)                                                                        \
-  CLEF_CPU_KERNEL void gather_tile_##suffix(const PagedAttentionParams& p, int b, int h, int tile, int ctx, int Dp, \
-                                            int keys, float* kt, int32_t* ok) {                                   \
-    gather_tile<T>(p, b, h, tile, ctx, Dp, keys, kt, ok);                                                        \
-  }                                                                                                               \
-  CLEF_CPU_KERNEL void attention_block_##suffix(const PagedAttentionParams& p, int b, int h, int q0, int n,       \
-                                                const GatheredContexts& g, AttnScratch& w) {                      \
-    attention_block<T>(p, b, h, q0, n, g, w);                                                                    \
-  }
+#define CLEF_ATTN_CPU_ENTRIES(suffix, T)                                                                  \
+  CLEF_CPU_VARIANTS(gather_tile_##suffix,                                                                 \
+                    (const PagedAttentionParams& p, int b, int h, int tile, int ctx, int Dp, int keys, float* kt, \
+                     int32_t* ok),                                                                        \
+                    (p, b, h, tile, ctx, Dp, keys, kt, ok), gather_tile<T>)                               \
+  CLEF_CPU_VARIANTS(attention_block_##suffix,                                                             \
+                    (const PagedAttentionParams& p, int b, int h, int q0, int n, const GatheredContexts& g, \
+                     AttnScratch& w),                                                                     \
+                    (p, b, h, q0, n, g, w), attention_block<T>)
 CLEF_ATTN_CPU_ENTRIES(f32, float)
 CLEF_ATTN_CPU_ENTRIES(f16, c10::Half)
 CLEF_ATTN_CPU_ENTRIES(bf16, c10::BFloat16)
 
 void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
   const bool f32 = kind == ScalarKind::F32, f16 = kind == ScalarKind::F16;
-  auto gather_fn = f32 ? gather_tile_f32 : f16 ? gather_tile_f16 : gather_tile_bf16;
-  auto block_fn = f32 ? attention_block_f32 : f16 ? attention_block_f16 : attention_block_bf16;
+  const CpuIsa isa = cpu_isa();
+  auto gather_fn = f32 ? gather_tile_f32_for(isa) : f16 ? gather_tile_f16_for(isa) : gather_tile_bf16_for(isa);
+  auto block_fn = f32 ? attention_block_f32_for(isa) : f16 ? attention_block_f16_for(isa) : attention_block_bf16_for(isa);
   const int group = p.num_q_heads / p.num_kv_heads;
 
   // Pass 1: gather the context of every (sequence, KV head) with several query blocks (see GatheredContexts).
@@ -317,6 +319,7 @@ void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
   const int64_t items = item_start[p.batch];
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     AttnScratch scratch;
+    scratch.wide_registers = has_512bit_registers(isa);
     for (int64_t i = begin; i < end; ++i) {
       // Later query blocks attend more keys (causal); zig-zag so each thread's contiguous share of the
       // range mixes cheap and expensive items.

@@ -16,7 +16,7 @@ NAMESPACE = "clef_sim"
 
 def sources() -> list[str]:
     csrc = ROOT / "csrc"
-    files = [csrc / "bindings.cpp"]
+    files = [csrc / "bindings.cpp", csrc / "common" / "cpu_isa_ops.cpp"]
     for family in FAMILIES:
         files += [csrc / family / f"{family}_ops.cpp", csrc / family / f"{family}_cpu.cpp"]
         files.append(ROOT / "tests" / "cuda_sim" / f"{family}_launch_sim.cpp")
