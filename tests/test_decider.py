@@ -1,6 +1,7 @@
 """Decisions against the upstream reference (clef_finetune's vendored joint_schema_model.py, fp32, CPU):
-identical token ids and spans, probabilities within 1e-4, on the upstream tiny release and on a second
-release with other shapes and a BPE tokenizer; and the key-band bug caught at model level."""
+identical token ids and spans, probabilities within the parity bound (tests/parity.py), on the upstream
+tiny release and on a second release with other shapes and a BPE tokenizer; and the key-band bug caught
+at model level."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import random
 import pytest
 import torch
 from faults import KeyBandZeroedOps
+from parity import PARITY_BOUND, assert_response_matches, reference_response
 from random_requests import features, random_request
 from releases import mid_release, reference_model, tiny_release
 
 from clef_cuda import Decider
 from clef_cuda.errors import RequestError, RequestTooLongError
 
-PROBABILITY_TOLERANCE = 1e-4
 COVERAGE = {
     "type:noul",
     "type:choice",
@@ -75,23 +76,16 @@ def check_against_reference(decider: Decider, reference, request) -> float:
         )
     our_probs = decider.probabilities(ours)
     worst = max(abs(a - b) for x, y in zip(our_probs, reference_probs, strict=True) for a, b in zip(x, y, strict=True))
-    assert worst < PROBABILITY_TOLERANCE, f"probabilities differ by {worst:.2e}"
+    assert worst < PARITY_BOUND, f"probabilities differ by {worst:.2e}"
     return worst
 
 
-def assert_same_response(ours: dict, theirs: dict) -> None:
-    """Equal bodies, numbers within the tolerance plus the 4-decimal rounding step."""
-    assert list(ours) == list(theirs) and ours["usage"] == theirs["usage"] and ours["model"] == theirs["model"]
-    assert list(ours["answers"]) == list(theirs["answers"])
-
-    def same(a, b):
-        if isinstance(a, float) or isinstance(b, float):
-            return abs(a - b) <= PROBABILITY_TOLERANCE + 1e-9
-        if isinstance(a, dict):
-            return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-        return a == b
-
-    assert same(ours["answers"], theirs["answers"]), (ours, theirs)
+def assert_same_response(ours: dict, reference, request: dict, **options) -> None:
+    """Our decide() body against the reference's systemone on `request`: the same keys, then the rules of
+    tests/parity.py (token counts exact, rounded numbers within half a unit plus the bound)."""
+    expected, unrounded = reference_response(reference, request, **options)
+    assert list(ours) == list(expected), (ours, expected)
+    assert_response_matches(ours, expected, unrounded)
 
 
 @pytest.fixture(scope="module")
@@ -114,25 +108,25 @@ def test_random_requests_cover_the_contract():
 def test_tiny_release_matches_reference(tiny):
     decider, reference = tiny
     worst = max(check_against_reference(decider, reference, r) for r in requests(0, 52))
-    assert worst < PROBABILITY_TOLERANCE
+    assert worst < PARITY_BOUND
 
 
 def test_second_release_matches_reference(mid):
     decider, reference = mid
     worst = max(check_against_reference(decider, reference, r) for r in requests(1, 22))
-    assert worst < PROBABILITY_TOLERANCE
+    assert worst < PARITY_BOUND
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])
 def test_decide_equals_reference_systemone(tiny, seed):
-    decider, (jsm, model, processor) = tiny
+    decider, reference = tiny
     request = random_request(random.Random(seed))
-    assert_same_response(decider.decide(request), jsm.systemone(model, processor, request))
+    assert_same_response(decider.decide(request), reference, request)
 
 
 def test_published_example_request_shape(tiny):
     """The irr/clef-flash test request (the three question types) through the whole path."""
-    decider, (jsm, model, processor) = tiny
+    decider, reference = tiny
     state = (
         "Checkout has been failing for every customer for the last hour. Orders are blocked and support is "
         "getting refund demands."
@@ -159,7 +153,7 @@ def test_published_example_request_shape(tiny):
         },
     }
     ours = decider.decide(request)
-    assert_same_response(ours, jsm.systemone(model, processor, request))
+    assert_same_response(ours, reference, request)
     assert list(ours["answers"]["department"]["probabilities"]) == ["billing", "technical", "sales"]
 
 
@@ -189,7 +183,7 @@ def test_zeroed_key_band_is_caught_by_the_parity_check(mid):
             check_against_reference(broken, reference, request)
         caught += 1
     assert caught == 6
-    assert min(moved) > 10 * PROBABILITY_TOLERANCE, moved  # the answers really move, on every request
+    assert min(moved) > 10 * PARITY_BOUND, moved  # the answers really move, on every request
 
 
 # ---- request errors -------------------------------------------------------------------------------
@@ -219,7 +213,7 @@ def test_invalid_requests_raise_request_errors(tiny, body, where):
 
 
 def test_over_budget_is_rejected_with_counts_or_truncated_on_request(tiny):
-    decider, (jsm, model, processor) = tiny
+    decider, reference = tiny
     request = {"model": "clef-flash", "state": "x " * 3000, "questions": {"q": {"type": "noul"}}}
     strict = Decider(
         decider.config, decider.trunk, decider.head, decider.tokenizer, type(decider.options)(max_length=2000)
@@ -238,6 +232,5 @@ def test_over_budget_is_rejected_with_counts_or_truncated_on_request(tiny):
     body = lenient.decide(request)
     assert body["usage"]["input_tokens"] == 2000
     assert body["x_truncated_state_tokens"] == info.value.input_tokens - 2000
-    reference = jsm.systemone(model, processor, request, max_length=2000)
     del body["x_truncated_state_tokens"]
-    assert_same_response(body, reference)
+    assert_same_response(body, reference, request, max_length=2000)
