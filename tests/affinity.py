@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from live import clef_serve_process, free_port
+from live import clef_serve_process, free_port, wait_until
 
 from clef_cuda.request.routing import prefix_key
 
@@ -80,11 +80,13 @@ def balancer(urls: list[str], mode: str):
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(200):
+
+            def healthy() -> bool:
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                time.sleep(0.05)
+                    return httpx.get(url + "/health", timeout=1).status_code == 200
+                return False
+
+            wait_until(healthy, "haproxy to answer /health")
             yield url
         finally:
             process.terminate()

@@ -9,12 +9,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import uvicorn
 
 from app.server import ServerSettings, create_app
 from clef_cuda.serving.engine import Engine
+
+# How long a test waits for something that must happen (a server up, a request running). A hang guard,
+# not a speed limit: generous, so a slow or loaded machine only takes longer.
+WAIT_SECONDS = 120.0
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_SECONDS, poll: float = 0.01) -> None:
+    """Polls `condition` until it holds; fails naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        time.sleep(poll)
 
 
 @contextlib.contextmanager
@@ -23,10 +36,7 @@ def live_server(engine: Engine, settings: ServerSettings):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    for _ in range(600):  # up to 30 s for start-up (the warm-up decision included)
-        if server.started:
-            break
-        time.sleep(0.05)
+    wait_until(lambda: server.started or not thread.is_alive(), "uvicorn to start (the warm-up decision included)")
     assert server.started, "uvicorn did not start"
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
@@ -43,7 +53,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def clef_serve_process(*args: str, ready_timeout: float = 120):
+def clef_serve_process(*args: str, ready_timeout: float = WAIT_SECONDS):
     """`clef-serve ARGS --host 127.0.0.1 --p PORT` as a child process, once /ready answers 200; yields
     (url, process, output lines so far). Killed on exit."""
     port = free_port()

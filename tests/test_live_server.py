@@ -7,10 +7,9 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
-from live import live_server
+from live import live_server, wait_until
 from releases import tiny_release
 
 from app.server import ServerSettings
@@ -64,17 +63,10 @@ def test_disconnect_mid_prefill_frees_everything(engine_factory):
         for _ in range(3):
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(raw)
-                for _ in range(400):  # wait until the engine is prefilling it
-                    if engine.running:
-                        break
-                    time.sleep(0.01)
+                wait_until(lambda: engine.running, "the engine to prefill the request")
                 assert engine.running == 1
             # the socket is closed mid-prefill
-        for _ in range(400):
-            if engine.running == 0 and engine.queue_depth == 0:
-                break
-            time.sleep(0.025)
-        assert engine.running == 0 and engine.queue_depth == 0
+        wait_until(lambda: engine.running == 0 and engine.queue_depth == 0, "the engine to drop the requests")
         assert engine.blocks.used == 0 and engine.running_slots.available == engine.plan.running_slots
         assert engine.failed >= 3 and engine.completed == 1  # the warm-up; the three went nowhere
 

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from live import clef_serve_process
+from live import clef_serve_process, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from random_requests import random_request
 from releases import tiny_release
@@ -40,12 +40,13 @@ def metrics(url: str) -> dict[str, float]:
 
 def assert_idle(url: str) -> None:
     """No leak: nothing queued or running, and only the prefix cache holds blocks and slots."""
-    for _ in range(100):
+
+    def idle() -> bool:
         m = metrics(url)
-        if m["clef_queue_depth"] == 0 and m["clef_running_sequences"] == 0:
-            break
-        time.sleep(0.05)
-    assert m["clef_queue_depth"] == 0 and m["clef_running_sequences"] == 0
+        return m["clef_queue_depth"] == 0 and m["clef_running_sequences"] == 0
+
+    wait_until(idle, "nothing queued or running")
+    m = metrics(url)
     assert m["clef_kv_blocks_used"] == m["clef_prefix_cache_blocks"]
     assert m["clef_state_slots_used"] == m["clef_prefix_cache_entries"]
 
@@ -78,16 +79,9 @@ def test_sigterm_drains_then_exits_0():
 
         thread = threading.Thread(target=long_request)
         thread.start()
-        for _ in range(400):
-            if metrics(url)["clef_running_sequences"] >= 1:
-                break
-            time.sleep(0.02)
+        wait_until(lambda: metrics(url)["clef_running_sequences"] >= 1, "the long request to run")
         process.send_signal(signal.SIGTERM)
-        for _ in range(100):
-            if httpx.get(url + "/ready", timeout=5).status_code == 503:
-                break
-            time.sleep(0.02)
-        assert httpx.get(url + "/ready", timeout=5).status_code == 503
+        wait_until(lambda: httpx.get(url + "/ready", timeout=5).status_code == 503, "/ready to turn 503")
         refused = httpx.post(url + "/v1/systemone", json=OK, timeout=30)
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert refused.json()["detail"]["error_type"] == "service_unavailable"
@@ -331,16 +325,35 @@ def _rss_sampler(pid: int):
     return stop, peak
 
 
+def seconds_to_tokenise_a_megabyte(text: str) -> float:
+    """This machine's speed at the work the budget bound avoids: clef-tiny's tokenizer on 1 MB of `text`
+    (median of 3), measured in the test's own run so the time limits below scale with the machine."""
+    from tokenizers import Tokenizer
+
+    from clef_cuda.model import default_model
+
+    tokenizer = Tokenizer.from_file(str(default_model.default_release() / "tokenizer.json"))
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        tokenizer.encode(text[:1_000_000], add_special_tokens=False)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[1]
+
+
 def test_huge_states_are_refused_at_once_and_others_are_served_meanwhile():
     """Four 30 MB states at once (inside the 32 MiB body limit; before the bound: 39 s of CPU and +5 GB
     each), and a 2 MB one that passes the cheap lower bound (it stops tokenising once past the budget):
     all 413 within seconds, the server's memory stays near its baseline, a normal request sent alongside
-    is answered as usual."""
+    is answered as usual. "Within seconds" is in units of this machine's time to tokenise 1 MB: without
+    the bound the server tokenises 4 x 30 MB, over 60 units on 2 cores; with it, measured 2026-12-01 on
+    a 2-core EPYC: 2 units in all, the normal request 0.3 (a unit 0.5 s)."""
     import psutil
 
     rng = random.Random(5)
     words = ["checkout", "ERROR", "db:", "refused", "12:00:01", "order", "shipped", "\n"]
     text = " ".join(rng.choice(words) for _ in range(5_000_000))[:30_000_000]
+    unit = seconds_to_tokenise_a_megabyte(text)
     huge = json.dumps({"model": "clef-tiny", "state": text, "questions": {"q": {"type": "noul"}}}).encode()
     large = json.dumps({"model": "clef-tiny", "state": text[:2_000_000], "questions": {"q": {"type": "noul"}}})
     normal = {"model": "clef-tiny", "state": "INFO api: ok\nERROR db: refused", "questions": {"q": {"type": "noul"}}}
@@ -372,8 +385,8 @@ def test_huge_states_are_refused_at_once_and_others_are_served_meanwhile():
         "large": 413,
         "normal": 200,
     }
-    assert elapsed < 20, results  # sending 122 MB over loopback included
-    assert results["normal"][1] < 10, results
+    assert elapsed < 15 * unit, (unit, results)  # sending 122 MB over loopback and parsing it included
+    assert results["normal"][1] < 8 * unit, (unit, results)
     assert growth < 1024, f"the server grew by {growth:.0f} MiB"
 
 
