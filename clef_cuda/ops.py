@@ -266,6 +266,17 @@ class OpLibrary:
             kernel,
         )
 
+    # ---- int8 weights ----------------------------------------------------------------------------
+    def dequantize_int8(
+        self, qweight: Tensor, scale: Tensor, *, dtype: torch.dtype | None = None, out: Tensor | None = None
+    ) -> Tensor:
+        """qweight [R, C] int8 (contiguous), scale [R] fp32 -> out [R, C] in `dtype` (or out's; default
+        fp32): qweight[r, c] * scale[r], one fp32 multiply rounded once (bit-identical to the reference)."""
+        if out is None:
+            out = torch.empty(qweight.shape, dtype=dtype or torch.float32, device=qweight.device)
+        self._ops.dequantize_int8(qweight.contiguous(), _f32(scale), out)
+        return out
+
     # ---- the CPU kernels' instruction set ------------------------------------------------------------
     def supported_cpu_isas(self) -> list[str]:
         """The CPU kernel variants this machine can run, best first: ["avx512", "avx2", "baseline"] on
@@ -300,6 +311,7 @@ def _register_fake_kernels(namespace: str) -> None:
         "gated_delta_rule_recurrent",
         "reshape_and_cache",
         "paged_attention",
+        "dequantize_int8",
     ):
         torch.library.register_fake(f"{namespace}::{name}")(lambda *args, **kwargs: None)
 
@@ -314,6 +326,7 @@ gated_delta_rule_recurrent = _default.gated_delta_rule_recurrent
 reshape_and_cache = _default.reshape_and_cache
 paged_attention = _default.paged_attention
 paged_attention_dispatch = _default.paged_attention_dispatch
+dequantize_int8 = _default.dequantize_int8
 supported_cpu_isas = _default.supported_cpu_isas
 cpu_isa = _default.cpu_isa
 set_cpu_isa = _default.set_cpu_isa

@@ -248,3 +248,15 @@ def paged_attention(
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
     return out
+
+
+# ---- int8 weights ------------------------------------------------------------------------------
+def dequantize_int8(
+    qweight: Tensor, scale: Tensor, *, dtype: torch.dtype | None = None, out: Tensor | None = None
+) -> Tensor:
+    """qweight [R, C] int8, scale [R] fp32 -> out [R, C] in `dtype` (or out's; default fp32):
+    qweight[r, c] * scale[r] computed in fp32, rounded once."""
+    if out is None:
+        out = torch.empty(qweight.shape, dtype=dtype or torch.float32, device=qweight.device)
+    out.copy_(qweight.float() * scale.float()[:, None])
+    return out

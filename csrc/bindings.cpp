@@ -46,20 +46,22 @@ CLEF_LIBRARY(CLEF_NS, m) {
   m.def(
       "paged_attention_dispatch(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
       "Tensor context_lens, Tensor block_tables, str kernel=\"auto\") -> str");
+  m.def("dequantize_int8(Tensor qweight, Tensor scale, Tensor(a!) out) -> ()");
   // No tensors: one kernel for every dispatch key.
   m.def("supported_cpu_isas() -> str[]", &clef::supported_cpu_isas);
   m.def("cpu_isa() -> str", &clef::get_cpu_isa);
   m.def("set_cpu_isa(str isa) -> str", &clef::set_cpu_isa);
 }
 
-#define CLEF_REGISTER_IMPLS(m)                                          \
-  m.impl("causal_conv1d_fwd", &clef::causal_conv1d_fwd);                \
-  m.impl("causal_conv1d_update", &clef::causal_conv1d_update);          \
-  m.impl("gated_delta_rule_chunk", &clef::gated_delta_rule_chunk);      \
+#define CLEF_REGISTER_IMPLS(m)                                             \
+  m.impl("causal_conv1d_fwd", &clef::causal_conv1d_fwd);                   \
+  m.impl("causal_conv1d_update", &clef::causal_conv1d_update);             \
+  m.impl("gated_delta_rule_chunk", &clef::gated_delta_rule_chunk);         \
   m.impl("gated_delta_rule_recurrent", &clef::gated_delta_rule_recurrent); \
-  m.impl("reshape_and_cache", &clef::reshape_and_cache);                \
-  m.impl("paged_attention", &clef::paged_attention);                    \
-  m.impl("paged_attention_dispatch", &clef::paged_attention_dispatch);
+  m.impl("reshape_and_cache", &clef::reshape_and_cache);                   \
+  m.impl("paged_attention", &clef::paged_attention);                       \
+  m.impl("paged_attention_dispatch", &clef::paged_attention_dispatch);     \
+  m.impl("dequantize_int8", &clef::dequantize_int8);
 
 CLEF_LIBRARY_IMPL(CLEF_NS, CPU, m) { CLEF_REGISTER_IMPLS(m) }
 

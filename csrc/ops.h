@@ -38,6 +38,9 @@ std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& 
                                      const at::Tensor& context_lens, const at::Tensor& block_tables,
                                      c10::string_view kernel);
 
+// out[r, c] = qweight[r, c] * scale[r] in out's dtype (int8 weights with per-row fp32 scales).
+void dequantize_int8(const at::Tensor& qweight, const at::Tensor& scale, at::Tensor& out);
+
 // The CPU kernels' instruction-set variant (common/cpu_kernel.h): "avx512", "avx2" or "baseline".
 std::vector<std::string> supported_cpu_isas();  // best first
 std::string get_cpu_isa();

@@ -77,6 +77,16 @@ FAMILIES = {
         ],
         [16, 32, 64, 128, 256],
     ),
+    "dequantize": (
+        "dequantize/dequantize_kernels.cuh",
+        "dequantize/dequantize_launch.cu",
+        [
+            f"template __global__ void clef::dequantize_int8_kernel<{t}, {v}>(clef::DequantizeParams);"
+            for t in DTYPES
+            for v in ("true", "false")
+        ],
+        [],
+    ),
 }
 
 

@@ -29,10 +29,12 @@ namespace clef {
 #if defined(__CUDACC_RTC__)
 using cuda::std::int32_t;
 using cuda::std::int64_t;
+using cuda::std::int8_t;
 using cuda::std::uint8_t;
 #else
 using std::int32_t;
 using std::int64_t;
+using std::int8_t;
 using std::uint8_t;
 #endif
 
@@ -97,6 +99,8 @@ CLEF_HD float max_f32(float a, float b) { return a > b ? a : b; }
 CLEF_HD int min_int(int a, int b) { return a < b ? a : b; }
 
 CLEF_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+CLEF_HD bool aligned_16_bytes(const void* ptr) { return reinterpret_cast<unsigned long long>(ptr) % 16 == 0; }
 
 // A very negative finite stand-in for -inf: keeps exp(m_old - m_new) finite when a softmax row has seen
 // no key yet, and behaves identically under fast-math and NVRTC (no INFINITY macro needed).

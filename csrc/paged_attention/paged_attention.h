@@ -144,8 +144,6 @@ CLEF_HD constexpr int paged_attention_smem_floats() {
 
 CLEF_HD bool paged_attention_wmma_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
-CLEF_HD bool aligned_16_bytes(const void* ptr) { return reinterpret_cast<unsigned long long>(ptr) % 16 == 0; }
-
 // Why the tensor-core kernel cannot run this call on a device of compute capability `cc` (70 = sm_70),
 // or nullptr when it can. It stages K/V tiles in the cache dtype and loads them 16 bytes at a time.
 CLEF_HD const char* paged_attention_wmma_unsupported(const PagedAttentionParams& p, ScalarKind kind, int cc) {

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("conv1d", "gated_delta_rule", "paged_attention")
+FAMILIES = ("conv1d", "gated_delta_rule", "paged_attention", "dequantize")
 NAMESPACE = "clef_sim"
 
 
