@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 from app.logs import LOG_FORMATS, configure_logging
+from clef_cuda.model.config import QUANTIZE_MODES
 from clef_cuda.request.encoding import CLIENT_SPECIAL_TOKENS
 
 EXIT_USAGE = 2
+EXIT_PLAN_DOES_NOT_FIT = 3  # --plan: the release does not fit the memory planned for
 SELFCHECK_MODES = ("enforce", "warn", "off")  # what a failed on-device self-check does (app.server)
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
@@ -49,6 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPU index (0, 1, ...), 'cuda[:N]' or 'cpu' (default: GPU 0 if there is one, else cpu)",
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), help="serving dtype (default: f16 on a GPU, f32 on the CPU)")
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE_MODES,
+        default="none",
+        help="int8: the trunk's linear layers and embeddings as int8 with per-row scales (W8A16, quantized "
+        "while loading; about half the f16 weights: clef-flash on 12-16 GB cards)",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory plan (weights by part, scratch, activations, the cache --kv-fraction buys) from "
+        "config.json and the safetensors headers alone, then exit 0 if it fits, 3 if it does not",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        help="the GPU memory to plan for, e.g. 16GiB or 12GB (with --plan: a card you do not have here; default: "
+        "the free memory of --d)",
+    )
     p.add_argument("--p", "--port", dest="port", type=_positive_int, default=8080)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--max-num-seqs", type=_positive_int, default=4, help="sequences prefilled together")
@@ -207,6 +227,7 @@ def make_decider(args):
         image_limits=ImageLimits(max_images=args.max_images),
         image_max_pixels=args.image_max_pixels,
         progress=args.log_format == "text",  # a progress bar is not a JSON line
+        quantize=args.quantize,
     )
 
 
@@ -255,13 +276,10 @@ def make_adapters(args, decider):
     return registry
 
 
-def make_engine(args):
-    """Load the release and build the engine (runs on the loader thread; errors surface on /ready)."""
-    from clef_cuda.serving.engine import Engine, EngineConfig
+def engine_config(args):
+    from clef_cuda.serving.engine import EngineConfig
 
-    decider = make_decider(args)
-    adapters = make_adapters(args, decider)
-    config = EngineConfig(
+    return EngineConfig(
         max_num_seqs=args.max_num_seqs,
         prefill_chunk_size=args.prefill_chunk_size,
         max_model_len=args.max_model_len,
@@ -273,7 +291,73 @@ def make_engine(args):
         confidence=args.confidence,
         vision_cache_bytes=args.vision_cache_mib * 2**20,
     )
-    return Engine(decider, config, adapters)
+
+
+def make_engine(args):
+    """Load the release and build the engine (runs on the loader thread; errors surface on /ready)."""
+    from clef_cuda.serving.engine import Engine
+
+    decider = make_decider(args)
+    adapters = make_adapters(args, decider)
+    return Engine(decider, engine_config(args), adapters)
+
+
+def make_plan(args, quantize: str | None = None):
+    """The memory plan for args (clef_cuda.serving.plan) on --gpu-memory, or on --d's free memory now."""
+    import torch
+
+    from clef_cuda.model.adapters import adapter_pool_bytes
+    from clef_cuda.model.config import load_release_config
+    from clef_cuda.serving.plan import parse_memory_size, plan_serving
+
+    device = resolve_device(args.device)
+    if args.gpu_memory is not None:
+        try:
+            device_bytes = parse_memory_size(args.gpu_memory)
+        except ValueError as error:
+            raise ValueError(f"--gpu-memory: {error}") from None
+        on_gpu, where = True, "--gpu-memory"
+    elif device.type == "cuda":
+        device_bytes, _ = torch.cuda.mem_get_info(device)
+        on_gpu, where = True, f"free on {device} ({torch.cuda.get_device_name(device)})"
+    else:
+        import psutil
+
+        device_bytes, on_gpu, where = psutil.virtual_memory().available, False, "available host memory"
+    dtype = getattr(torch, DTYPES[args.dtype or ("f16" if on_gpu else "f32")])
+    config = load_release_config(args.weights)
+    reserved = 0
+    if args.adapters or args.enable_adapter_loading:  # the pool the registry will reserve
+        head_dtype = getattr(torch, DTYPES[args.adapter_head_dtype])
+        reserved = adapter_pool_bytes(config, dtype, args.max_adapters, args.max_adapter_rank, head_dtype)
+    return plan_serving(
+        args.weights,
+        config,
+        engine_config(args),
+        device_bytes,
+        dtype=dtype,
+        quantize=quantize or args.quantize,
+        on_gpu=on_gpu,
+        where=where,
+        reserved_bytes=reserved,
+    )
+
+
+def check_plan(args, log) -> int | None:
+    """--plan: print the plan, return its exit code. Otherwise: a plan that cannot fit raises ValueError
+    (one line: the numbers, and whether int8 weights would fit); one that fits is logged."""
+    plan = make_plan(args)
+    int8 = make_plan(args, "int8") if not plan.fits and args.quantize != "int8" else None
+    hint = " (with --quantize int8 it fits)" if int8 is not None and int8.fits else ""
+    if args.plan:
+        print(plan.describe())
+        if hint:
+            print(f"  --quantize int8 would fit: {int8.summary()}")
+        return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
+    if not plan.fits:
+        raise ValueError(f"{plan.summary()}: {plan.problem}{hint}")
+    log.info("%s", plan.describe())
+    return None
 
 
 def selfcheck_only(args) -> int:
@@ -326,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     from clef_cuda.errors import ReleaseError
     from clef_cuda.model.adapters import AdapterError
     from clef_cuda.model.config import load_release_config
+    from clef_cuda.model.weights import check_not_prequantized
 
     args.served_model_name = served_model_name(args)  # before --w is filled in with the embedded model
     # Fail fast, in one line, on what can be checked before the (slow) load.
@@ -346,8 +431,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--w {args.weights}: not a directory (expected a clef-flash release)")
             description = f"clef-flash System One decision model ({args.weights})"
         check_adapters(args, load_release_config(args.weights))
+        check_not_prequantized(args.weights)
+        planned = check_plan(args, log)
     except (ValueError, ReleaseError, AdapterError) as error:
         parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
+    if planned is not None:
+        return planned
     if args.selfcheck_only:
         try:
             return selfcheck_only(args)

@@ -60,6 +60,12 @@ class Metrics:
             "clef_prefix_cache_blocks", "KV blocks held by prefix-cache entries (one snapshot slot each)", registry=r
         )
         self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed up and taking requests", registry=r)
+        self.weight_bytes = Gauge(
+            "clef_weight_bytes",
+            "Device bytes of the resident weights by part (int8 under --quantize int8)",
+            ["part"],
+            registry=r,
+        )
         self.images = Counter("clef_images", "Images of admitted records (counted once per record)", registry=r)
         self.image_tokens = Counter("clef_image_tokens", "Image tokens of admitted records", registry=r)
         self.vision_seconds = Counter("clef_vision_seconds", "Time spent in the vision tower", registry=r)
@@ -158,6 +164,9 @@ class Metrics:
             return
         self.queue_depth.set(engine.queue_depth)
         self.running.set(engine.running)
+        for part, nbytes in engine.weight_bytes.items():
+            self.weight_bytes.labels(part=part).set(nbytes)
+        self.weight_bytes.labels(part="adapters").set(engine.adapters.bytes() if engine.adapters is not None else 0)
         self.kv_blocks_used.set(engine.blocks.used)
         self.kv_blocks_total.set(engine.blocks.capacity)
         self.state_slots_used.set(engine.state_slots_in_use())

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from clef_cuda.model.config import ReleaseConfig, load_release_config
+from clef_cuda.model.footprint import resident_weights
 from clef_cuda.model.head import JointSchemaHead, RecordLayout
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
 from clef_cuda.model.vision import VisionTower
@@ -86,16 +87,19 @@ class Decider:
         head_dtype: torch.dtype = torch.float32,
         progress: bool = True,
         ops=None,
+        quantize: str = "none",
         **options: Any,
     ) -> Decider:
         """Load a release. Defaults: the GPU if there is one, in f16 (V100 has no bf16 math); else the CPU in
-        fp32. The head runs in fp32 unless head_dtype says otherwise. `options` are DecisionOptions fields."""
+        fp32. The head runs in fp32 unless head_dtype says otherwise. quantize="int8" stores the trunk's
+        linear layers and embedding tables as int8 with per-row scales (W8A16: clef_cuda.model.quantize),
+        quantized as they load. `options` are DecisionOptions fields."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
         config = load_release_config(path)
         decision_options = DecisionOptions(**options)
         tokenizer = Tokenizer.from_release(path, decision_options.client_special_tokens)
-        weights = load_release_weights(path, config, device, dtype, head_dtype, progress=progress)
+        weights = load_release_weights(path, config, device, dtype, head_dtype, progress=progress, quantize=quantize)
         trunk = Trunk(config.trunk, weights.trunk, dtype, ops=ops)
         head = JointSchemaHead(config.head, weights.head, weights.trunk["lm_head.weight"])
         vision = VisionTower(config.vision, weights.vision, dtype) if weights.vision is not None else None
@@ -105,6 +109,10 @@ class Decider:
     @property
     def device(self) -> torch.device:
         return self.trunk.embed.device
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Device bytes of the loaded weights by part: trunk, embeddings, vision, head."""
+        return resident_weights(self.trunk, self.head, self.vision)
 
     def prepare_images(self, blobs: list[bytes]) -> list[PreparedImage]:
         """Image bytes -> the tower's inputs (checked, decoded, preprocessed as the release's processor)."""

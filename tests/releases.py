@@ -148,6 +148,59 @@ def build_release(
     return out
 
 
+# clef-flash's shapes (shared/specs/memory.md): the Qwen3.5-9B trunk, its vision tower, the released head.
+FLASH_TEXT = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=32,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+)
+FLASH_VISION = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=2304,
+)
+FLASH_HEAD = {"hidden_size": 4096, "width": 1024, "routing_layers": 2, "layers": 4, "heads": 16, "feedforward": 4096}
+FLASH_VOCAB = 248_320
+
+
+def config_only_release(out_dir: str | Path, text: dict, head: dict, vocab_size: int, vision: dict) -> Path:
+    """config.json and joint_head_config.json alone (no weights): what --plan reads, at any size."""
+    from transformers import Qwen3_5Config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = Qwen3_5Config(
+        text_config=dict(text, vocab_size=vocab_size, tie_word_embeddings=False),
+        vision_config=dict(vision, out_hidden_size=text["hidden_size"]),
+        tie_word_embeddings=False,
+        image_token_id=248056,
+        video_token_id=248057,
+        vision_start_token_id=248053,
+        vision_end_token_id=248054,
+    )
+    config.save_pretrained(out)
+    (out / "joint_head_config.json").write_text(json.dumps(head, indent=2))
+    return out
+
+
+def flash_config_release(out_dir: str | Path) -> Path:
+    return config_only_release(out_dir, FLASH_TEXT, FLASH_HEAD, FLASH_VOCAB, FLASH_VISION)
+
+
 @functools.cache
 def tiny_release() -> Path:
     """The upstream tiny release (clef_finetune.tiny), built once per test session."""

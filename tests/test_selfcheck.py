@@ -32,8 +32,9 @@ OK = {"model": "clef-flash", "state": "Checkout fails for everyone.", "questions
 RELEASES = {"clef-tiny": default_release, "upstream-tiny": tiny_release, "mid": mid_release}
 
 
-def load(release: str, dtype=torch.float32, ops=None) -> Decider:
-    return Decider.from_release(RELEASES[release](), device="cpu", dtype=dtype, progress=False, ops=ops)
+def load(release: str, dtype=torch.float32, ops=None, quantize="none") -> Decider:
+    path = RELEASES[release]()
+    return Decider.from_release(path, device="cpu", dtype=dtype, progress=False, ops=ops, quantize=quantize)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,36 @@ def test_healthy_kernels_pass_at_every_release_and_dtype(release, dtype):
     assert report.device == "cpu" and report.dtype == str(dtype).removeprefix("torch.")
     assert all(c.tolerance > 0 for c in report.checks if c.name != "reshape_and_cache")
     json.dumps(report.to_json(), allow_nan=False)  # /ready's body is strict JSON
+
+
+INT8_CHECKS = {"dequantize_int8.layer0.out_proj", "dequantize_int8.embed_rows"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+def test_int8_weights_add_their_checks_and_pass(dtype):
+    report = run_selfcheck(load("mid", dtype, quantize="int8").trunk)
+    assert report.passed, report.table()
+    assert INT8_CHECKS <= {c.name for c in report.checks}
+    assert all(c.tolerance == 0.0 for c in report.checks if c.name in INT8_CHECKS)  # exact
+    assert not INT8_CHECKS & {c.name for c in run_selfcheck(load("mid", dtype).trunk).checks}
+
+
+def _last_row_scaled_by_the_first(original, qweight, scale, **kwargs):
+    scale = scale.clone()
+    scale[-1] = scale[0]
+    return original(qweight, scale, **kwargs)
+
+
+def test_a_wrong_scale_row_in_the_dequant_fails_the_self_check(sim_ops):
+    """On the CPU (a faulty op library) and in the CUDA kernel (its test-only fault in the simulator):
+    the dequant checks fail, and so do the real int8 layers that ran through it."""
+    decider = load("mid", quantize="int8")
+    faulty = failed(run_selfcheck(decider.trunk.with_ops(OpFault("dequantize_int8", _last_row_scaled_by_the_first))))
+    assert INT8_CHECKS <= faulty and any(n.endswith(".delta_net") for n in faulty), faulty
+    simulated_trunk = load("upstream-tiny", quantize="int8").trunk.with_ops(sim_ops)
+    assert run_selfcheck(simulated_trunk).passed
+    with simulated(fault="dequantize_wrong_scale_row"):
+        assert INT8_CHECKS <= failed(run_selfcheck(simulated_trunk))
 
 
 def test_the_cuda_kernels_pass_in_the_simulator(sim_ops):

@@ -139,7 +139,7 @@ def _tests_on_path() -> None:
 
 
 @contextlib.contextmanager
-def serving(release: Path, ops=None, prefix_cache: bool = True):
+def serving(release: Path, ops=None, prefix_cache: bool = True, quantize: str = "none"):
     """A live clef-serve app on 127.0.0.1 over `release` (with `ops` swapped in for fault injection). A
     fault makes the on-device self-check fail, which would keep the server unready; to measure what the
     fault would have answered, that server runs with --selfcheck warn (as the seed had no check at all)."""
@@ -150,7 +150,7 @@ def serving(release: Path, ops=None, prefix_cache: bool = True):
     from clef_cuda import Decider
     from clef_cuda.serving.engine import Engine, EngineConfig
 
-    decider = Decider.from_release(release, device="cpu", progress=False, ops=ops)
+    decider = Decider.from_release(release, device="cpu", progress=False, ops=ops, quantize=quantize)
     # Snapshots from 32 saved tokens on: held-out states are short, and the second pass should find them.
     engine = Engine(decider, EngineConfig(kv_fraction=0.05, prefix_cache=prefix_cache, min_snapshot_tokens=32))
     settings = ServerSettings(served_model_name="clef-tiny", selfcheck="enforce" if ops is None else "warn")
@@ -159,9 +159,14 @@ def serving(release: Path, ops=None, prefix_cache: bool = True):
 
 
 def evaluate(
-    release: Path, count: int = 300, key_band_zeroed: bool = False, examples: list[synthetic.Example] | None = None
+    release: Path,
+    count: int = 300,
+    key_band_zeroed: bool = False,
+    examples: list[synthetic.Example] | None = None,
+    quantize: str = "none",
 ) -> Scores:
-    """`examples` (default: `count` of the generator's held-out family) asked through a live server."""
+    """`examples` (default: `count` of the generator's held-out family) asked through a live server
+    (serving the release's weights as they are, or as int8 with quantize="int8")."""
     ops = None
     if key_band_zeroed:
         _tests_on_path()
@@ -170,7 +175,7 @@ def evaluate(
         from clef_cuda.model.config import load_release_config
 
         ops = KeyBandZeroedOps(load_release_config(release).trunk.key_dim)
-    with serving(release, ops) as (url, _):
+    with serving(release, ops, quantize=quantize) as (url, _):
         return ask_all(url, heldout(count) if examples is None else examples, "clef-tiny")
 
 
@@ -308,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--write-golden", type=Path, help="write the golden answers there instead of evaluating")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none", help="serve the weights as int8")
     args = parser.parse_args(argv)
     from clef_cuda.errors import ReleaseError
     from clef_cuda.model import default_model
@@ -326,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(handwritten())} hand-written examples": handwritten(),
     }
     for name, examples in sets.items():
-        healthy = evaluate(release, examples=examples)
-        broken = evaluate(release, key_band_zeroed=True, examples=examples)
+        healthy = evaluate(release, examples=examples, quantize=args.quantize)
+        broken = evaluate(release, key_band_zeroed=True, examples=examples, quantize=args.quantize)
         print(table(healthy, broken, name) + "\n", flush=True)
     return 0
 

@@ -300,6 +300,23 @@ class AdapterBatch:
                 delta.add_to(y[start:end], x[start:end])
 
 
+def adapter_pool_bytes(base: ReleaseConfig, dtype, max_adapters: int, max_rank: int, head_dtype=torch.float32) -> int:
+    """Device bytes of max_adapters variants at max_rank over `base`: their LoRA factors (per rank unit,
+    every module of every layer: A in fp32, s B in the serving dtype) and their joint heads."""
+    from clef_cuda.model.weights import head_shapes
+
+    layers = {kind: base.trunk.layer_types.count(kind) for kind in (LINEAR_ATTENTION, FULL_ATTENTION)}
+    per_rank = sum(
+        layers[kind]
+        * sum(
+            4 * s.in_features + torch.finfo(dtype).bits // 8 * s.width for s in module_slots(base.trunk, kind).values()
+        )
+        for kind in layers
+    )
+    head = sum(math.prod(shape) for shape in head_shapes(base.head).values()) * torch.finfo(head_dtype).bits // 8
+    return max_adapters * (max_rank * per_rank + head)
+
+
 class AdapterRegistry:
     """The variants a server holds, by name: loaded at start-up or at runtime, at most `max_adapters`.
     Heads with equal bytes are stored once. Unloading hides a variant from new requests at once; its
@@ -342,24 +359,7 @@ class AdapterRegistry:
 
     def pool_bytes(self) -> int:
         """What max_adapters variants at max_rank can take on the device: reserved before the KV budget."""
-        # Per rank unit, every module of every layer: A in fp32, s B in the serving dtype.
-        layers = {kind: self.base.trunk.layer_types.count(kind) for kind in (LINEAR_ATTENTION, FULL_ATTENTION)}
-        per_rank = sum(
-            layers[kind]
-            * sum(
-                4 * s.in_features + torch.finfo(self.dtype).bits // 8 * s.width
-                for s in module_slots(self.base.trunk, kind).values()
-            )
-            for kind in layers
-        )
-        from clef_cuda.model.weights import head_shapes
-
-        head = (
-            sum(math.prod(shape) for shape in head_shapes(self.base.head).values())
-            * torch.finfo(self.head_dtype).bits
-            // 8
-        )
-        return self.max_adapters * (self.max_rank * per_rank + head)
+        return adapter_pool_bytes(self.base, self.dtype, self.max_adapters, self.max_rank, self.head_dtype)
 
     def load(self, name: str, directory: Path) -> Adapter:
         """Load a variant under a free name. AdapterError leaves what was served as it was."""

@@ -12,6 +12,9 @@ from typing import Any
 from clef_cuda.errors import ReleaseError
 
 LINEAR_ATTENTION = "linear_attention"
+# How a release's weights are held (--quantize): as stored (the serving dtype), or int8 W8A16
+# (clef_cuda.model.quantize).
+QUANTIZE_MODES = ("none", "int8")
 FULL_ATTENTION = "full_attention"
 
 
@@ -252,6 +255,14 @@ def load_trunk_config(path: Path) -> tuple[TrunkConfig, str]:
     """config.json -> (trunk config, weight prefix). Accepts model_type qwen3_5 (text config nested under
     text_config: the release layout) and qwen3_5_text / Qwen3_5ForCausalLM (a text-only save)."""
     data = _read_json(path)
+    for where, fields in (("", data), ("text_config.", data.get("text_config"))):
+        if isinstance(fields, dict) and fields.get("quantization_config") is not None:
+            method = fields["quantization_config"]
+            method = method.get("quant_method", "unknown") if isinstance(method, dict) else method
+            raise ReleaseError(
+                f"{path}: field '{where}quantization_config' ({method}): this release is already quantized; "
+                "clef-serve loads bf16/f16/f32 releases and quantizes them itself (--quantize int8)"
+            )
     model_type = data.get("model_type")
     architectures = data.get("architectures") or []
     if model_type == "qwen3_5":

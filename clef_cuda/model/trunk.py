@@ -7,7 +7,9 @@ chunk by chunk, interleaved with other records, with results identical to one pa
 
 Precision: the residual stream and every norm are fp32; matrix multiplies run in the serving dtype
 (fp32 on the CPU; f16/bf16 on a GPU, accumulating in fp32); delta-rule states are fp32. Non-finite hidden
-states (an f16 overflow) raise NumericalOverflowError instead of flowing into answers.
+states (an f16 overflow) raise NumericalOverflowError instead of flowing into answers. With int8 weights
+(clef_cuda.model.quantize) each linear layer dequantizes into one scratch buffer in the serving dtype
+and runs the same GEMM; the embedding lookup dequantizes the rows it gathers.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from clef_cuda.model.adapters import AdapterBatch
 from clef_cuda.errors import NumericalOverflowError
 from clef_cuda.model.config import LINEAR_ATTENTION, TrunkConfig
+from clef_cuda.model.quantize import DequantizeScratch, Int8Weight
 
 Tensor = torch.Tensor
 
@@ -97,22 +100,25 @@ class ChunkBatch:
         )
 
 
+Weight = Tensor | Int8Weight  # a linear layer's [out, in] weight, in the serving dtype or int8
+
+
 @dataclass
 class _DeltaNetWeights:
-    in_proj: Tensor  # [conv_dim + value_dim + 2 Hv, H]: q|k|v, z, b, a fused into one GEMM
+    in_proj: Weight  # [conv_dim + value_dim + 2 Hv, H]: q|k|v, z, b, a fused into one GEMM
     conv_weight: Tensor  # [conv_dim, K] fp32
     decay_rate: Tensor  # exp(A_log) [Hv] fp32
     dt_bias: Tensor  # [Hv] fp32
     norm_weight: Tensor  # [Dv] fp32 (stored as-is: not zero-centred)
-    out_proj: Tensor
+    out_proj: Weight
 
 
 @dataclass
 class _AttentionWeights:
-    qkv_proj: Tensor  # [Hq 2D + 2 Hkv D, H]: query|gate per head, then k, then v
+    qkv_proj: Weight  # [Hq 2D + 2 Hkv D, H]: query|gate per head, then k, then v
     q_scale: Tensor  # 1 + q_norm.weight, fp32
     k_scale: Tensor
-    o_proj: Tensor
+    o_proj: Weight
 
 
 @dataclass
@@ -121,8 +127,8 @@ class _LayerWeights:
     input_scale: Tensor  # 1 + input_layernorm.weight, fp32
     post_scale: Tensor
     mixer: _DeltaNetWeights | _AttentionWeights
-    gate_up: Tensor  # [2 I, H]
-    down: Tensor
+    gate_up: Weight  # [2 I, H]
+    down: Weight
 
 
 def rms_norm(x: Tensor, scale: Tensor, eps: float) -> Tensor:
@@ -156,8 +162,8 @@ class Trunk:
         if ops is None:
             from clef_cuda import ops
         self.config, self.dtype, self.ops = config, dtype, ops
-        self.embed = weights["embed_tokens.weight"]
-        self.lm_head = weights["lm_head.weight"]
+        self.embed: Weight = weights["embed_tokens.weight"]  # [vocab, H]; int8 rows under --quantize int8
+        self.lm_head: Weight = weights["lm_head.weight"]
         self.final_scale = 1.0 + weights["norm.weight"].float()
         device = self.embed.device
         half = config.rotary_dim // 2
@@ -171,14 +177,28 @@ class Trunk:
             (config.linear_layers if kind == LINEAR_ATTENTION else config.attention_layers).index(i)
             for i, kind in enumerate(config.layer_types)
         ]
+        quantized = [w for layer in self.layers for w in self._linear_weights(layer) if isinstance(w, Int8Weight)]
+        self.scratch = DequantizeScratch(quantized, dtype, device) if quantized else None
+
+    @staticmethod
+    def _linear_weights(layer: _LayerWeights) -> list[Weight]:
+        m = layer.mixer
+        mixer = [m.in_proj, m.out_proj] if isinstance(m, _DeltaNetWeights) else [m.qkv_proj, m.o_proj]
+        return mixer + [layer.gate_up, layer.down]
+
+    @property
+    def quantized(self) -> bool:
+        return self.scratch is not None
 
     def _layer(self, w: dict[str, Tensor], index: int, kind: str) -> _LayerWeights:
         p = f"layers.{index}."
 
-        def fuse(*names: str) -> Tensor:
+        def fuse(*names: str) -> Weight:
             # Concatenate, then drop the parts: the fused copy replaces them (no second copy of the model).
-            fused = torch.cat([w.pop(p + n) for n in names])
-            return fused
+            parts = [w.pop(p + n) for n in names]
+            if any(isinstance(part, Int8Weight) for part in parts):
+                return Int8Weight.cat(parts)
+            return torch.cat(parts)
 
         if kind == LINEAR_ATTENTION:
             mixer = _DeltaNetWeights(
@@ -215,7 +235,7 @@ class Trunk:
         """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place.
         `lora`: the variants of the chunk's rows (clef_cuda.model.adapters); rows outside it are the base model's."""
         eps = self.config.rms_norm_eps
-        x = self.embed[batch.input_ids].float()  # the residual stream stays fp32
+        x = self._embed(batch.input_ids).float()  # the residual stream stays fp32
         if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens
             x[batch.override_rows] = batch.override_values.float()
         rope = self._rope(batch.positions)
@@ -266,10 +286,19 @@ class Trunk:
             return self._delta_net(layer.mixer, h, batch, cache, i, index, lora)
         return self._attention(layer.mixer, h, batch, cache, i, *rope, index, lora)
 
-    @staticmethod
-    def _linear(x: Tensor, weight: Tensor, lora: AdapterBatch | None, index: int, fused: str) -> Tensor:
-        """A fused GEMM, plus the variants' LoRA deltas on their rows' columns of it."""
-        y = F.linear(x, weight)
+    def _embed(self, token_ids: Tensor) -> Tensor:
+        if isinstance(self.embed, Int8Weight):
+            return self.embed.rows(token_ids, self.ops)
+        return self.embed[token_ids]
+
+    def _linear(self, x: Tensor, weight: Weight, lora: AdapterBatch | None, index: int, fused: str) -> Tensor:
+        """A fused GEMM (an int8 weight dequantized first, by this trunk's ops), plus the variants' LoRA
+        deltas on their rows' columns of it."""
+        if isinstance(weight, Int8Weight):
+            with self.scratch.lock:
+                y = F.linear(x, self.scratch.weight(weight, self.ops))
+        else:
+            y = F.linear(x, weight)
         if lora is not None:
             lora.apply(y, x, index, fused)
         return y

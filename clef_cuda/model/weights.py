@@ -6,11 +6,16 @@ model.safetensors.index.json, the head from joint_head.safetensors. Tensors stre
 at a time from the memory-mapped files, are converted (bf16 -> the serving dtype; norms, decay
 parameters and conv weights to fp32) and moved to the device, so host memory stays near one shard and
 the model is never held twice. Every missing, unexpected or mis-shaped tensor fails naming tensor and file.
+With quantize="int8" the trunk's linear layers and embedding tables become int8 as they stream in (one
+tensor in its stored dtype at a time, then its int8 copy: clef_cuda.model.quantize), so neither host nor
+device ever holds the f16 model. A release that is already quantized (integer or fp8 tensors, GPTQ/AWQ
+names) is refused by its safetensors headers before anything loads.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +24,15 @@ from pathlib import Path
 import torch
 
 from clef_cuda.errors import ReleaseError
-from clef_cuda.model.config import FULL_ATTENTION, HeadConfig, ReleaseConfig, TrunkConfig, VisionConfig
+from clef_cuda.model.config import (
+    FULL_ATTENTION,
+    QUANTIZE_MODES,
+    HeadConfig,
+    ReleaseConfig,
+    TrunkConfig,
+    VisionConfig,
+)
+from clef_cuda.model.quantize import Int8Weight, is_quantized_name, quantize_int8
 
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.")
 VISION_PREFIX = "model.visual."  # read when config.json has a vision_config, else skipped
@@ -36,9 +49,15 @@ FP32_SUFFIXES = ("layernorm.weight", "norm.weight", "A_log", "dt_bias", "conv1d.
 VISION_FP32_SUFFIXES = ("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "norm.weight", "norm.bias")
 
 
+# Tensors of releases quantized by other tools (GPTQ, AWQ, bitsandbytes): never loadable as ours.
+PREQUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".SCB", ".weight_format", ".absmax")
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors header dtypes we load
+
+
 @dataclass
 class ReleaseWeights:
-    trunk: dict[str, torch.Tensor]  # names relative to the text model ("layers.0.mlp.up_proj.weight"), plus lm_head
+    # names relative to the text model ("layers.0.mlp.up_proj.weight"), plus lm_head; Int8Weight under int8
+    trunk: dict[str, torch.Tensor | Int8Weight]
     head: dict[str, torch.Tensor]  # joint_head.safetensors names
     # names under model.visual.; None when the release has no vision tower (no vision_config, or none of
     # its tensors: a text-only release)
@@ -193,6 +212,53 @@ def trunk_files(model_dir: Path) -> dict[str, list[str]]:
     raise ReleaseError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}: not a clef-flash release directory")
 
 
+@dataclass(frozen=True)
+class TensorHeader:
+    dtype: str  # safetensors' name: "BF16", "F16", "F32", "I8", ...
+    shape: tuple[int, ...]
+
+
+def safetensors_header(path: Path) -> dict[str, TensorHeader]:
+    """The tensors a safetensors file declares, from its JSON header alone (reads a few KB, not the data)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 * 2**20:
+                raise ValueError(f"a {size}-byte header")
+            header = json.loads(f.read(size))
+        return {
+            name: TensorHeader(str(entry["dtype"]), tuple(int(n) for n in entry["shape"]))
+            for name, entry in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ReleaseError(f"{path}: not a readable safetensors file ({error})") from error
+
+
+def release_headers(model_dir: Path) -> dict[str, tuple[TensorHeader, Path]]:
+    """Every trunk/tower tensor the release's safetensors declare, with its file (headers only); empty for
+    a directory with config files only (a plan for a model not downloaded yet; loading it fails later)."""
+    if not (model_dir / INDEX_FILE).is_file() and not (model_dir / SINGLE_FILE).is_file():
+        return {}
+    headers: dict[str, tuple[TensorHeader, Path]] = {}
+    for file in trunk_files(model_dir):
+        path = model_dir / file
+        headers |= {name: (header, path) for name, header in safetensors_header(path).items()}
+    return headers
+
+
+def check_not_prequantized(model_dir: str | Path) -> None:
+    """ReleaseError for a release quantized by another tool (integer or fp8 tensors, GPTQ/AWQ names):
+    its tensors are not weights we can load, and --quantize int8 does the quantizing here."""
+    model_dir = Path(model_dir)
+    for name, (header, path) in release_headers(model_dir).items():
+        if name.endswith(PREQUANTIZED_SUFFIXES) or header.dtype not in FLOAT_DTYPES:
+            raise ReleaseError(
+                f"{path}: tensor {name} is {header.dtype}: this release is already quantized (GPTQ, AWQ, int8 or "
+                "fp8); clef-serve loads bf16/f16/f32 releases and quantizes them itself (--quantize int8)"
+            )
+
+
 def _open(path: Path):
     from safetensors import SafetensorError, safe_open
 
@@ -235,6 +301,18 @@ def _place(
     return tensor.to(device=device, dtype=dtype)
 
 
+def _quantized(
+    name: str, tensor: torch.Tensor, expected: tuple[int, ...], dtype: torch.dtype, device, path: Path
+) -> Int8Weight:
+    """The int8 copy of a linear weight or table, computed on `device` from the stored dtype (bf16: the
+    only full-size temporary is the tensor itself, 2 bytes a weight)."""
+    if tuple(tensor.shape) != expected:
+        raise ReleaseError(f"{path}: tensor {name} has shape {list(tensor.shape)}, expected {list(expected)}")
+    if not tensor.is_floating_point():
+        raise ReleaseError(f"{path}: tensor {name} has dtype {tensor.dtype}, expected a floating-point type")
+    return quantize_int8(tensor.to(device), dtype)
+
+
 def load_release_weights(
     model_dir: str | Path,
     config: ReleaseConfig,
@@ -242,11 +320,16 @@ def load_release_weights(
     dtype: torch.dtype = torch.float32,
     head_dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    quantize: str = "none",
 ) -> ReleaseWeights:
-    """Stream the trunk (in `dtype`, fp32 for norms/decays/conv) and head (in `head_dtype`) onto `device`."""
+    """Stream the trunk (in `dtype`, fp32 for norms/decays/conv; with quantize="int8" its linear layers
+    and embedding tables as int8) and head (in `head_dtype`) onto `device`."""
     from tqdm import tqdm
 
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     model_dir = Path(model_dir)
+    check_not_prequantized(model_dir)
     expected_trunk = trunk_shapes(config.trunk)
     expected_vision = vision_shapes(config.vision) if config.vision is not None else {}
     vision: dict[str, torch.Tensor] = {}
@@ -285,7 +368,10 @@ def load_release_weights(
                     raise ReleaseError(f"{path}: unexpected tensor {name} (not part of the configured trunk)")
                 if key in trunk:
                     raise ReleaseError(f"{path}: tensor {name} appears twice in the release")
-                trunk[key] = _place(name, tensor, expected_trunk[key], serving_dtype_for(key, dtype), device, path)
+                if quantize == "int8" and is_quantized_name(key):
+                    trunk[key] = _quantized(name, tensor, expected_trunk[key], dtype, device, path)
+                else:
+                    trunk[key] = _place(name, tensor, expected_trunk[key], serving_dtype_for(key, dtype), device, path)
                 del tensor
                 bar.update(1)
         for name, tensor in _tensors(head_path, None):

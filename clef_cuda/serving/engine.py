@@ -38,6 +38,7 @@ from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.request.images import PreparedImage
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, TrunkCache, VisionCache
+from clef_cuda.serving.plan import CachePlan, plan_cache
 
 log = logging.getLogger("clef_cuda.serving.engine")
 
@@ -118,31 +119,9 @@ class _Sequence:
         return self.ticket.adapter.digest if self.ticket.adapter is not None else b""
 
 
-@dataclass
-class MemoryPlan:
-    budget_bytes: int
-    slot_bytes: int
-    block_bytes: int
-    running_slots: int
-    snapshot_slots: int
-    num_blocks: int
-    snapshot_budget_bytes: int
-
-    def describe(self, block_size: int, max_model_len: int) -> str:
-        tokens = self.num_blocks * block_size
-        allocated = self.num_blocks * self.block_bytes + (self.running_slots + self.snapshot_slots) * self.slot_bytes
-        return (
-            f"cache: {allocated / 2**20:.0f} MiB allocated of a {self.budget_bytes / 2**20:.0f} MiB budget: "
-            f"{self.num_blocks} KV blocks x {block_size} = {tokens} tokens ({tokens / max_model_len:.1f} records of "
-            f"{max_model_len}); {self.running_slots} running state slots + {self.snapshot_slots} prefix snapshots "
-            f"({self.slot_bytes / 2**20:.2f} MiB each)"
-        )
-
-
-def plan_memory(decider: Decider, config: EngineConfig, reserved_bytes: int = 0) -> MemoryPlan:
+def plan_memory(decider: Decider, config: EngineConfig, reserved_bytes: int = 0) -> CachePlan:
     """Split kv_fraction of the free device memory (after `reserved_bytes`: the adapter pool) into state
-    slots, prefix snapshots and KV blocks."""
-    trunk_config, dtype = decider.config.trunk, decider.trunk.dtype
+    slots, prefix snapshots and KV blocks (clef_cuda.serving.plan.plan_cache)."""
     device = decider.device
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -150,24 +129,7 @@ def plan_memory(decider: Decider, config: EngineConfig, reserved_bytes: int = 0)
         import psutil
 
         free = psutil.virtual_memory().available
-    budget = int(config.kv_fraction * max(0, free - reserved_bytes))
-    slot_bytes = TrunkCache.slot_bytes(trunk_config, dtype)
-    block_bytes = max(1, TrunkCache.block_bytes(trunk_config, dtype, config.block_size))
-    blocks_per_record = -(-config.max_model_len // config.block_size)
-    running = config.max_num_seqs
-    snapshot_budget = int(config.snapshot_fraction * budget) if config.prefix_cache else 0
-    snapshots = min(config.max_snapshots, snapshot_budget // max(slot_bytes, 1)) if config.prefix_cache else 0
-    blocks = (budget - running * slot_bytes - snapshots * slot_bytes) // block_bytes
-    # More blocks than every running record at full length plus as much again for cached prefixes can
-    # never be used: do not allocate (and, on the CPU, commit) them.
-    blocks = int(min(blocks, 2 * running * blocks_per_record))
-    if blocks < blocks_per_record:
-        raise ValueError(
-            f"--kv-fraction {config.kv_fraction} of the free {device.type} memory ({free / 2**30:.1f} GiB) leaves "
-            f"room for {max(blocks, 0)} KV blocks, fewer than one {config.max_model_len}-token record needs "
-            f"({blocks_per_record}); raise --kv-fraction or lower --max-model-len"
-        )
-    return MemoryPlan(budget, slot_bytes, block_bytes, running, snapshots, blocks, snapshot_budget)
+    return plan_cache(decider.config.trunk, decider.trunk.dtype, config, free - reserved_bytes, device.type)
 
 
 class Engine:
@@ -189,6 +151,15 @@ class Engine:
                 len(adapters.names()),
                 adapters.bytes() / 2**20,
             )
+        self.weight_bytes = decider.weight_bytes()  # by part, for the log and clef_weight_bytes
+        log.info(
+            "weights: %.1f MiB (%s)%s",
+            sum(self.weight_bytes.values()) / 2**20,
+            ", ".join(f"{part} {n / 2**20:.1f} MiB" for part, n in self.weight_bytes.items()),
+            "; int8 (W8A16), dequantize scratch %.1f MiB" % (decider.trunk.scratch.nbytes() / 2**20)
+            if decider.trunk.quantized
+            else "",
+        )
         self.plan = plan_memory(decider, config, reserved)
         self.cache = TrunkCache.allocate(
             decider.config.trunk,

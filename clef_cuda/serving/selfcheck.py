@@ -14,8 +14,10 @@ clef_cuda.reference on the same inputs:
 - reshape_and_cache, then paged_attention over a cached prefix plus a new chunk, a fresh prefill and a
   decode token, GQA at the model's head dim (on a GPU in f16, or bf16 from sm_80, at head dims 64/128/256
   this pack runs the tensor-core kernel), and a pack of decode tokens only (the SIMT kernel on a GPU);
+- with int8 weights (--quantize int8), dequantize_int8 on a real weight and on embedding rows (exact);
 - one real delta-net layer and one real attention layer of the loaded weights (their mixers, over two
-  prefill steps so the second continues from the first's caches), through the ops vs the references.
+  prefill steps so the second continues from the first's caches), through the ops vs the references;
+  with int8 weights both sides dequantize them (ops vs reference) before the same GEMM.
 
 Outputs and unused cache slots are NaN-poisoned: an element the op leaves unwritten, or a slot or block
 outside the context that it reads, turns into NaN and fails the check. An op that raises fails its
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from clef_cuda import ops, reference
+from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk, rms_norm
 from clef_cuda.serving.cache import TrunkCache
 
@@ -204,6 +207,8 @@ class _SelfCheck:
             ("gated_delta_rule_recurrent", self.gdr_recurrent),
             ("paged_attention", self.paged_attention),
         ]
+        if self.trunk.quantized:
+            groups.append(("dequantize_int8", self.dequantize))
         for kind, layers in (("delta_net", c.linear_layers), ("attention", c.attention_layers)):
             if layers:
                 name = f"layer{layers[0]}.{kind}"
@@ -390,6 +395,29 @@ class _SelfCheck:
         self.ops.paged_attention(decode_query, key_cache, value_cache, *decode_args, out=out)
         expected = reference.paged_attention(decode_query, expected_keys, expected_values, *decode_args)
         checks.append(self.compare("paged_attention.decode_pack", out, expected, self.rtol))
+        return checks
+
+    # ---- int8 weights ------------------------------------------------------------------------------
+    def dequantize(self) -> list[Check]:
+        """dequantize_int8 on a real int8 weight (the first layer's output projection, whole) and on rows
+        of the int8 embedding table, into NaN-poisoned outputs; exact (one fp32 multiply, rounded once, on
+        both sides). The layer checks below then run real int8 layers through the ops and the references."""
+        layer = self.trunk.layers[0]
+        name, weight = (
+            ("out_proj", layer.mixer.out_proj) if hasattr(layer.mixer, "out_proj") else ("o_proj", layer.mixer.o_proj)
+        )
+        checks = []
+        if isinstance(weight, Int8Weight):
+            out = torch.full(weight.qweight.shape, float("nan"), dtype=self.dtype, device=self.device)
+            self.ops.dequantize_int8(weight.qweight, weight.scale, out=out)
+            expected = reference.dequantize_int8(weight.qweight, weight.scale, dtype=self.dtype)
+            checks.append(self.compare(f"dequantize_int8.layer0.{name}", out, expected, 0.0))
+        embed = self.trunk.embed
+        if isinstance(embed, Int8Weight):
+            rows = torch.randint(0, embed.shape[0], (64,), generator=self.generator).to(self.device)
+            checks.append(
+                self.compare("dequantize_int8.embed_rows", embed.rows(rows, self.ops), embed.rows(rows, reference), 0.0)
+            )
         return checks
 
     # ---- real layers ---------------------------------------------------------------------------------
