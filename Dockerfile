@@ -3,8 +3,9 @@
 #
 # Build (V100, the default):
 #   docker build -t clef-serve:sm70 .
-# Other GPUs (the arch list is passed to the CUDA build as TORCH_CUDA_ARCH_LIST):
-#   docker build --build-arg TORCH_CUDA_ARCH_LIST="7.0;8.0;9.0" -t clef-serve:multi .
+# Other GPUs (the arch list is passed to the CUDA build as TORCH_CUDA_ARCH_LIST; 6.0 covers P100 and P40,
+# 7.5 the T4, 8.0 A100/A10/L4/RTX 30x0-40x0):
+#   docker build --build-arg TORCH_CUDA_ARCH_LIST="6.0;7.0;7.5;8.0;9.0" -t clef-serve:multi .
 # Run (the release mounted read-only, as the Kubernetes Deployment does):
 #   docker run --gpus 1 -p 8080:8080 -v /models:/mnt/models:ro clef-serve:sm70 --w /mnt/models/clef-flash --d 0 --dtype f16
 #

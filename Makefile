@@ -1,7 +1,7 @@
 # The two entry points the README documents.
 VENV ?= .venv
 
-.PHONY: setup serve test check-sm70 lint bench
+.PHONY: setup serve test check-sm70 check-archs lint bench
 
 setup:
 	bash scripts/setup_env.sh
@@ -15,8 +15,12 @@ serve: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q
 
+# Every kernel compiled for sm_60 ... sm_90 with CUDA 12.9's NVRTC: registers, spills, shared memory, tiles.
+check-archs: setup
+	$(VENV)/bin/python scripts/check_archs.py --packages .cache/nvrtc12
+
 check-sm70: setup
-	$(VENV)/bin/python scripts/check_sm70.py --packages .cache/nvrtc12
+	$(VENV)/bin/python scripts/check_archs.py --packages .cache/nvrtc12 --arch sm_70
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -3,8 +3,8 @@
 CLEF_CUDA_BUILD=auto (default) builds the CUDA kernels when torch has CUDA and nvcc is found, and a
 CPU-only extension otherwise; =cuda forces CUDA (and fails, saying what is missing, without a
 toolchain); =cpu forces the CPU-only build. TORCH_CUDA_ARCH_LIST is respected; by default the kernels
-are built for 7.0;7.5;8.0;9.0 minus what the local nvcc cannot target (nvcc 13 cannot target sm_70:
-build for V100 with a CUDA 12.x toolchain, see README). MAX_JOBS bounds the parallel compile jobs.
+are built for 6.0;7.0;7.5;8.0;9.0 minus what the local nvcc cannot target (nvcc 13 cannot target sm_60
+or sm_70: build for Pascal and V100 with a CUDA 12.x toolchain, see README). MAX_JOBS bounds the parallel compile jobs.
 """
 
 import os
@@ -17,7 +17,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_ARCHS = ["7.0", "7.5", "8.0", "9.0"]
+DEFAULT_ARCHS = ["6.0", "7.0", "7.5", "8.0", "9.0"]  # 6.0 runs on 6.1, 8.0 on 8.6/8.9
 PACKAGE_DATA = {"clef_cuda": ["assets/clef-tiny/*"]}  # the embedded default model (clef_cuda/model/default_model.py)
 
 
@@ -78,7 +78,7 @@ def choose_archs(version: str, supported: set[str]) -> list[str]:
     for dropped in (a for a in DEFAULT_ARCHS if a not in supported):
         print(
             f"clef_cuda: dropping sm_{dropped.replace('.', '')}: nvcc {version} cannot target it"
-            + (" (use a CUDA 12.x toolchain for V100, see README)" if dropped == "7.0" else "")
+            + (" (use a CUDA 12.x toolchain for Pascal and V100, see README)" if dropped in ("6.0", "7.0") else "")
         )
     if not archs:
         fail(f"nvcc {version} supports none of the default archs {DEFAULT_ARCHS}; set TORCH_CUDA_ARCH_LIST")

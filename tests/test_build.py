@@ -22,18 +22,19 @@ def setup_module(monkeypatch):
 
 
 NVCC13 = {"7.5", "8.0", "8.6", "8.7", "8.9", "9.0", "10.0", "12.0"}
-NVCC12 = NVCC13 | {"7.0", "7.2"}
+NVCC12 = NVCC13 | {"6.0", "6.1", "6.2", "7.0", "7.2"}
 
 
 def test_default_archs_drop_what_nvcc_cannot_target(setup_module, capsys):
     assert setup_module.choose_archs("13.0", NVCC13) == ["7.5", "8.0", "9.0"]
     printed = capsys.readouterr().out
+    assert "dropping sm_60: nvcc 13.0 cannot target it" in printed
     assert "dropping sm_70: nvcc 13.0 cannot target it" in printed
     assert "CUDA 12.x" in printed
 
 
-def test_default_archs_with_a_cuda12_toolchain_include_v100(setup_module):
-    assert setup_module.choose_archs("12.9", NVCC12) == ["7.0", "7.5", "8.0", "9.0"]
+def test_default_archs_with_a_cuda12_toolchain_include_pascal_and_v100(setup_module):
+    assert setup_module.choose_archs("12.9", NVCC12) == ["6.0", "7.0", "7.5", "8.0", "9.0"]
 
 
 def test_torch_cuda_arch_list_is_respected(setup_module, monkeypatch):

@@ -90,4 +90,4 @@ def test_build_info_describes_the_extension():
     assert info["variant"] in ("cpu", "cuda")
     if info["variant"] == "cuda":
         assert info["cuda_archs"], "a CUDA build must list its archs"
-        assert all(float(a) >= 7.0 for a in info["cuda_archs"])
+        assert all(float(a) >= 6.0 for a in info["cuda_archs"])

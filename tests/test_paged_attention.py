@@ -245,11 +245,15 @@ def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
         cu, ctx = cu_seqlens_of(list(q_lens)), torch.tensor(contexts, dtype=torch.int32)
         return sim_ops.paged_attention_dispatch(query, key_cache, value_cache, cu, ctx, block_tables, kernel=kernel)
 
-    for cc in (70, 75, 80, 90):
+    for cc in (60, 61, 70, 75, 80, 86, 89, 90):
         with simulated(compute_capability=cc):
-            assert dispatch() == "wmma"  # clef-flash's shapes: a chunk after a prefix and a fresh prefill
+            # clef-flash's shapes (a chunk after a prefix and a fresh prefill): tensor cores from sm_70, on
+            # a T4 with its 64 KB tile (test_every_card_runs_clef_flash_attention_within_its_shared_memory)
+            assert dispatch() == ("wmma" if cc >= 70 else "simt")
             assert dispatch(torch.bfloat16) == ("wmma" if cc >= 80 else "simt")
             assert dispatch(torch.float32) == "simt"
+    with simulated(compute_capability=61), pytest.raises(ValueError, match="tensor cores need sm_70"):
+        dispatch(kernel="wmma")
     assert [dispatch(d=d, hq=4, hkv=2) for d in (16, 32, 64, 128, 256)] == ["simt", "simt", "wmma", "wmma", "wmma"]
     # 16 rows per sequence on average: at GQA 4, 4 tokens. Decode packs stay on SIMT.
     assert dispatch(q_lens=(4, 4), contexts=(9, 4)) == "wmma"
@@ -270,6 +274,50 @@ def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
     sim = Backend("sim", sim_ops, torch.device("cpu"))
     with pytest.raises(ValueError, match="kernel='wmma' cannot run these arguments: the tensor-core kernel takes f16"):
         attention_failures(sim, torch.float32, [(4, 1, 256, 16)], [(9, 9)], kernel="wmma")  # the op, before launching
+
+
+# The simulated cards (tests/cuda_sim: each compute capability's shared memory per block is enforced).
+CARDS = {60: "P100", 61: "P40", 70: "V100", 75: "T4", 80: "A100", 86: "A10", 89: "L4", 90: "H100"}
+
+
+@pytest.mark.parametrize("cc", sorted(CARDS), ids=[f"sm_{cc}-{CARDS[cc]}" for cc in sorted(CARDS)])
+def test_every_card_runs_clef_flash_attention_within_its_shared_memory(sim_ops, cc):
+    """D = 256 at clef-flash's GQA 4, f16 and fp32, on each card's simulated device: the tile the launcher
+    picks fits the card (a T4 gets the 16-key tensor-core tile, Pascal the 8-key SIMT one) and matches
+    the reference. Before the tiles followed the device, a T4 asked for 75.75 KB and Pascal 49.4 KB."""
+    sim = Backend("sim", sim_ops, torch.device("cpu"))
+    heads, sequences = [(4, 1, 256, 16)], [(9, 9), (20, 70)]
+    with simulated(compute_capability=cc):
+        assert not attention_failures(sim, torch.float16, heads, sequences)
+        assert not attention_failures(sim, torch.float32, heads, sequences)
+        if cc >= 70:
+            assert not attention_failures(sim, torch.float16, heads, sequences, kernel="wmma")
+
+
+def test_the_simulator_refuses_a_tile_over_the_cards_shared_memory(sim_ops):
+    """The same calls with the launcher's tile choice ignoring the device's limit (a test-only fault:
+    always the largest tile) fail on a T4 and on Pascal, not on an A100: the checks above can fail."""
+    sim = Backend("sim", sim_ops, torch.device("cpu"))
+    heads, sequences = [(4, 1, 256, 16)], [(9, 9), (20, 70)]
+    with simulated(fault="attention_ignores_smem_limit"):
+        with simulated(compute_capability=75), pytest.raises(RuntimeError, match="more than sm_75 allows"):
+            attention_failures(sim, torch.float16, heads, sequences)
+        with simulated(compute_capability=61), pytest.raises(RuntimeError, match="more than sm_61 allows"):
+            attention_failures(sim, torch.float32, heads, sequences)
+        with simulated(compute_capability=80):
+            assert not attention_failures(sim, torch.float16, heads, sequences)
+
+
+def test_the_t4_tile_matches_the_reference_over_awkward_shapes(sim_ops):
+    """The 16-key tensor-core tile (one key sub-tile per barrier) over the WMMA test's shapes, and its
+    test-only faults caught there too."""
+    sim = Backend("sim", sim_ops, torch.device("cpu"))
+    heads = [h for h in WMMA_HEADS["sim"] if h[2] == 256]
+    with simulated(compute_capability=75):
+        assert not attention_failures(sim, torch.float16, heads, WMMA_SEQUENCES["sim"], kernel="wmma")
+        for fault in WMMA_FAULTS:
+            with simulated(fault=fault):
+                assert attention_failures(sim, torch.float16, heads, WMMA_SEQUENCES["sim"], kernel="wmma"), fault
 
 
 def test_the_launcher_runs_the_kernel_the_rule_names(sim_ops):

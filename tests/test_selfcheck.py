@@ -100,8 +100,10 @@ def test_the_cuda_kernels_pass_in_the_simulator(sim_ops):
     assert report.passed, report.table()
 
 
-def test_the_attention_checks_guard_the_tensor_core_kernel(sim_ops):
-    """At clef-flash's attention shapes (16 / 4 heads x 256) in f16 on a simulated V100, the self-check's
+@pytest.mark.parametrize("cc", [70, 75], ids=["V100", "T4"])
+def test_the_attention_checks_guard_the_tensor_core_kernel(sim_ops, cc):
+    """At clef-flash's attention shapes (16 / 4 heads x 256) in f16 on a simulated V100 and T4 (its 64 KB
+    tile), the self-check's
     attention group runs the tensor-core kernel for its mixed pack and the SIMT kernel for its decode pack:
     it passes, and with the tensor-core kernel's causal mask skipped (a test-only fault) exactly the checks
     that kernel served with more than one new token fail. (The test releases' head dim is 32, which the
@@ -114,7 +116,7 @@ def test_the_attention_checks_guard_the_tensor_core_kernel(sim_ops):
         assert {c.name for c in checks} >= {"paged_attention.prefix+chunk", "paged_attention.decode_pack"}
         return {c.name for c in checks if not c.passed}
 
-    with simulated(compute_capability=70):
+    with simulated(compute_capability=cc):
         assert failing() == set()
         with simulated(fault="wmma_skip_causal_mask"):
             assert failing() == {"paged_attention.prefix+chunk", "paged_attention.prefill"}

@@ -128,29 +128,98 @@ constexpr int kAttnRows = 16;      // SIMT kernel
 constexpr int kWmmaWarps = 4;      // tensor-core kernel: one warp per 16 rows
 constexpr int kWmmaRows = 16 * kWmmaWarps;
 
-// SIMT kernel tiles (paged_attention_kernel): keys per shared-memory tile, 16 for D = 256 keeps the CTA
-// under sm_75's 64 KB of shared memory; its fp32 tiles need the opt-in above 48 KB at D = 256 (49.4 KB).
-template <int D>
-struct AttnTiling {
-  static constexpr int kKeys = D >= 256 ? 16 : 32;
-};
+// ---- tile configurations: chosen from the device's shared memory ---------------------------------
+// Each kernel has a few instantiated key-tile sizes per head dim; the launcher runs the largest whose
+// shared memory fits the device's per-block limit (cudaDevAttrMaxSharedMemoryPerBlockOptin: 48 KB on
+// sm_60/61, which cannot opt in above it, 96 KB sm_70, 64 KB sm_75, 163 KB sm_80, 99 KB sm_86/89, 227 KB
+// sm_90), opting in above the 48 KB default when it must. The dispatch rule and the compile checks use
+// the same functions.
+constexpr int kDefaultSmemBytes = 48 * 1024;  // what a kernel gets without cudaFuncSetAttribute
 
-template <int D>
-CLEF_HD constexpr int paged_attention_smem_floats() {
-  // q (padded rows) + k (padded rows) + v + probabilities + alpha + l, then the key offsets (int64).
-  constexpr int keys = AttnTiling<D>::kKeys;
-  return kAttnRows * (D + 1) + keys * (D + 1) + keys * D + kAttnRows * keys + 2 * kAttnRows + 2 * keys;
+// SIMT kernel (paged_attention_kernel): fp32 tiles of q, k, v, probabilities, rescale factors and key
+// offsets. D = 256 takes 16 keys (49.4 KB: the opt-in on sm_70+) or 8 (33.6 KB: Pascal's 48 KB).
+CLEF_HD constexpr int paged_attention_smem_floats(int head_dim, int keys) {
+  return kAttnRows * (head_dim + 1) + keys * (head_dim + 1) + keys * head_dim + kAttnRows * keys + 2 * kAttnRows +
+         2 * keys;
+}
+CLEF_HD constexpr int paged_attention_simt_key_options(int head_dim, int option) {
+  return head_dim >= 256 ? (option == 0 ? 16 : option == 1 ? 8 : 0) : (option == 0 ? 32 : 0);
+}
+// Keys per tile of the SIMT kernel on a device with `smem_limit` bytes a block; 0 when none fits.
+CLEF_HD int paged_attention_simt_keys(int head_dim, int smem_limit) {
+  for (int i = 0; paged_attention_simt_key_options(head_dim, i) > 0; ++i) {
+    const int keys = paged_attention_simt_key_options(head_dim, i);
+    if (4 * paged_attention_smem_floats(head_dim, keys) <= smem_limit) return keys;
+  }
+  return 0;
 }
 
 CLEF_HD bool paged_attention_wmma_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
-// Why the tensor-core kernel cannot run this call on a device of compute capability `cc` (70 = sm_70),
-// or nullptr when it can. It stages K/V tiles in the cache dtype and loads them 16 bytes at a time.
-CLEF_HD const char* paged_attention_wmma_unsupported(const PagedAttentionParams& p, ScalarKind kind, int cc) {
+// Shared-memory layout of the tensor-core kernel, in bytes from the (128-byte aligned) base. Q, K and V
+// tiles are kept in the cache dtype (2 bytes), rows padded by 8 elements (16 bytes: rows shift across
+// banks, and every 16-row fragment stays 32-byte aligned as wmma::load_matrix_sync requires). Scores are
+// fp32; each warp overwrites its own score rows with its probabilities (2 bytes) in place, and later uses
+// them as its 16 x 16 output staging tile. Key offsets are double-buffered so the next tile's offsets can
+// be written while a slower warp still reads this tile's.
+//   D = 64:  64 keys per tile, 45.25 KB: under the 48 KB default (V100: two CTAs per SM)
+//   D = 128: 32 keys per tile, 43.75 KB: under the 48 KB default
+//   D = 256: 32 keys per tile, 75.75 KB: the opt-in on sm_70 (96 KB), sm_80+ (99-227 KB);
+//            16 keys per tile, 55 KB: sm_75's 64 KB (T4), half the keys per barrier
+template <int D, int KEYS>
+struct WmmaLayout {
+  static constexpr int kKeys = KEYS;
+  static constexpr int kRowStride = D + 8;        // elements per Q/K/V row
+  static constexpr int kScoreStride = kKeys + 4;  // floats per score row (a multiple of 4, as wmma needs)
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kWmmaRows * kRowStride * 2;
+  static constexpr int kV = kK + kKeys * kRowStride * 2;
+  static constexpr int kScores = kV + kKeys * kRowStride * 2;
+  static constexpr int kAlpha = kScores + kWmmaRows * kScoreStride * 4;
+  static constexpr int kKeyOffsets = kAlpha + kWmmaRows * 4;
+  static constexpr int kBytes = kKeyOffsets + 2 * kKeys * 8;
+};
+
+CLEF_HD constexpr int paged_attention_wmma_key_options(int head_dim, int option) {
+  if (head_dim == 64) return option == 0 ? 64 : 0;
+  if (head_dim == 128) return option == 0 ? 32 : 0;
+  if (head_dim == 256) return option == 0 ? 32 : option == 1 ? 16 : 0;
+  return 0;
+}
+
+CLEF_HD int paged_attention_wmma_smem_bytes(int head_dim, int keys) {
+  if (head_dim == 64 && keys == 64) return WmmaLayout<64, 64>::kBytes;
+  if (head_dim == 128 && keys == 32) return WmmaLayout<128, 32>::kBytes;
+  if (head_dim == 256 && keys == 32) return WmmaLayout<256, 32>::kBytes;
+  if (head_dim == 256 && keys == 16) return WmmaLayout<256, 16>::kBytes;
+  return 0;
+}
+
+// Keys per tile of the tensor-core kernel on a device with `smem_limit` bytes a block; 0 when none fits.
+CLEF_HD int paged_attention_wmma_keys(int head_dim, int smem_limit) {
+  for (int i = 0; paged_attention_wmma_key_options(head_dim, i) > 0; ++i) {
+    const int keys = paged_attention_wmma_key_options(head_dim, i);
+    if (paged_attention_wmma_smem_bytes(head_dim, keys) <= smem_limit) return keys;
+  }
+  return 0;
+}
+
+// What the launcher needs to know of the device.
+struct AttentionDevice {
+  int cc = 0;          // compute capability, 70 = sm_70
+  int smem_limit = 0;  // the most shared memory one block may have (with the opt-in where there is one)
+};
+
+// Why the tensor-core kernel cannot run this call on `device`, or nullptr when it can. It stages K/V tiles
+// in the cache dtype and loads them 16 bytes at a time.
+CLEF_HD const char* paged_attention_wmma_unsupported(const PagedAttentionParams& p, ScalarKind kind,
+                                                     AttentionDevice device) {
   if (kind == ScalarKind::F32) return "the tensor-core kernel takes f16 or bf16 caches (fp32 runs the SIMT kernel)";
-  if (cc < 70) return "tensor cores need sm_70 or newer";
-  if (kind == ScalarKind::BF16 && cc < 80) return "bf16 tensor cores need sm_80 or newer (serve V100s in f16)";
+  if (device.cc < 70) return "tensor cores need sm_70 or newer";
+  if (kind == ScalarKind::BF16 && device.cc < 80) return "bf16 tensor cores need sm_80 or newer (serve V100s in f16)";
   if (!paged_attention_wmma_head_dim(p.head_dim)) return "the tensor-core kernel is compiled for head dims 64, 128 and 256";
+  if (paged_attention_wmma_keys(p.head_dim, device.smem_limit) == 0)
+    return "no tensor-core tile of this head dim fits the device's shared memory per block";
   if (p.num_kv_heads <= 0 || kWmmaRows % (p.num_q_heads / p.num_kv_heads) != 0)
     return "the tensor-core kernel needs num_q_heads / num_kv_heads to divide its 64-row tile";
   if (!aligned_16_bytes(p.query) || p.query_token_stride % 8 != 0 || p.query_head_stride % 8 != 0 ||
@@ -164,43 +233,12 @@ CLEF_HD const char* paged_attention_wmma_unsupported(const PagedAttentionParams&
 // Packs of decode tokens stay on the SIMT kernel, whose 16-row tile wastes less of its work on padding
 // rows than the 64-row tensor-core tile. A forced kernel is returned as asked (the launcher reports why
 // a forced Wmma cannot run).
-CLEF_HD AttentionKernel paged_attention_choose_kernel(const PagedAttentionParams& p, ScalarKind kind, int cc) {
+CLEF_HD AttentionKernel paged_attention_choose_kernel(const PagedAttentionParams& p, ScalarKind kind,
+                                                      AttentionDevice device) {
   if (p.kernel != AttentionKernel::Auto) return p.kernel;
-  if (paged_attention_wmma_unsupported(p, kind, cc) != nullptr) return AttentionKernel::Simt;
+  if (paged_attention_wmma_unsupported(p, kind, device) != nullptr) return AttentionKernel::Simt;
   const int64_t rows = p.num_tokens * (p.num_q_heads / p.num_kv_heads);
   return rows >= static_cast<int64_t>(kAttnRows) * p.batch ? AttentionKernel::Wmma : AttentionKernel::Simt;
-}
-
-// Shared-memory layout of the tensor-core kernel, in bytes from the (128-byte aligned) base. Q, K and V
-// tiles are kept in the cache dtype (2 bytes), rows padded by 8 elements (16 bytes: rows shift across
-// banks, and every 16-row fragment stays 32-byte aligned as wmma::load_matrix_sync requires). Scores are
-// fp32; each warp overwrites its own score rows with its probabilities (2 bytes) in place, and later uses
-// them as its 16 x 16 output staging tile. Key offsets are double-buffered so the next tile's offsets can
-// be written while a slower warp still reads this tile's.
-//   D = 64:  64 keys per tile, 45.25 KB: under the 48 KB default (V100: two CTAs per SM)
-//   D = 128: 32 keys per tile, 43.75 KB: under the 48 KB default
-//   D = 256: 32 keys per tile, 75.75 KB: above it, the launcher opts in (sm_70 allows 96 KB)
-template <int D>
-struct WmmaLayout {
-  static constexpr int kKeys = D <= 64 ? 64 : 32;
-  static constexpr int kRowStride = D + 8;        // elements per Q/K/V row
-  static constexpr int kScoreStride = kKeys + 4;  // floats per score row (a multiple of 4, as wmma needs)
-  static constexpr int kQ = 0;
-  static constexpr int kK = kQ + kWmmaRows * kRowStride * 2;
-  static constexpr int kV = kK + kKeys * kRowStride * 2;
-  static constexpr int kScores = kV + kKeys * kRowStride * 2;
-  static constexpr int kAlpha = kScores + kWmmaRows * kScoreStride * 4;
-  static constexpr int kKeyOffsets = kAlpha + kWmmaRows * 4;
-  static constexpr int kBytes = kKeyOffsets + 2 * kKeys * 8;
-};
-
-CLEF_HD int paged_attention_wmma_smem_bytes(int head_dim) {
-  switch (head_dim) {
-    case 64: return WmmaLayout<64>::kBytes;
-    case 128: return WmmaLayout<128>::kBytes;
-    case 256: return WmmaLayout<256>::kBytes;
-  }
-  return 0;
 }
 
 }  // namespace clef

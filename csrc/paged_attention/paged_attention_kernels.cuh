@@ -44,14 +44,15 @@ __global__ void __launch_bounds__(kCacheWriteThreads) reshape_and_cache_kernel(C
   }
 }
 
-template <typename T, int D>
+// KEYS: keys per shared-memory tile (paged_attention_simt_keys picks it from the device's limit).
+template <typename T, int D, int KEYS>
 __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(PagedAttentionParams p) {
   constexpr int QS = D + 1;  // padded row strides: lanes reading different rows hit different banks
   constexpr int KS = D + 1;
   constexpr int OUT_PER_THREAD = kAttnRows * D / kAttnThreads;
-  constexpr int KEYS = AttnTiling<D>::kKeys;
   constexpr int KEYS_PER_LANE = KEYS / kAttnRowLanes;
   static_assert((kAttnRows * D) % kAttnThreads == 0, "output tile must split evenly over the threads");
+  static_assert(KEYS % kAttnRowLanes == 0 && KEYS <= kAttnThreads, "a key tile must split over a row's lanes");
 
   const int group = p.num_q_heads / p.num_kv_heads;  // divides kAttnRows (checked by the host entry)
   const int tile_tokens = kAttnRows / group;
@@ -164,8 +165,12 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(PagedAtte
 }
 
 // ---- tensor cores ------------------------------------------------------------------------------
-// bf16 fragments exist from sm_80; below it the bf16 instantiation compiles to a trap that the launcher
-// never reaches (paged_attention_wmma_unsupported keeps bf16 off those devices).
+// WMMA exists from sm_70 and its bf16 fragments from sm_80; below them the kernel compiles to a trap that
+// the launcher never reaches (paged_attention_wmma_unsupported keeps those devices on the SIMT kernel).
+// The host pass (no __CUDA_ARCH__) sees everything, to launch it.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+#define CLEF_WMMA_ARCH 1
+#endif
 template <typename T>
 struct WmmaCompiled {
   static constexpr bool value = true;
@@ -177,17 +182,19 @@ struct WmmaCompiled<__nv_bfloat16> {
 };
 #endif
 
+#if defined(CLEF_WMMA_ARCH)
+
 // Query tiles are handed out last first: CTAs start roughly in index order, and under the causal mask a
 // sequence's last tile attends the most keys, so the longest CTAs do not trail at the end of the grid.
 // (The grid is bounded by the whole pack; a tile past a sequence's queries exits at once.)
 CLEF_HD int wmma_query_tile(int grid_x, int block_x) { return grid_x - 1 - block_x; }
 
-template <typename T, int D>
+// KEYS: keys per K/V tile (paged_attention_wmma_keys picks it from the device's limit).
+template <typename T, int D, int KEYS>
 __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionParams& p) {
   namespace wmma = nvcuda::wmma;
-  using Layout = WmmaLayout<D>;
+  using Layout = WmmaLayout<D, KEYS>;
   using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-  constexpr int KEYS = Layout::kKeys;
   constexpr int RS = Layout::kRowStride;
   constexpr int SS = Layout::kScoreStride;
   constexpr int PS = 2 * SS;        // probabilities (2-byte) written over the score rows: same row bytes
@@ -388,13 +395,20 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
   }
 }
 
-template <typename T, int D>
+#endif  // CLEF_WMMA_ARCH
+
+template <typename T, int D, int KEYS>
 __global__ void __launch_bounds__(kWmmaThreads) paged_attention_wmma_kernel(PagedAttentionParams p) {
+#if defined(CLEF_WMMA_ARCH)
   if constexpr (WmmaCompiled<T>::value) {
-    paged_attention_wmma_tile<T, D>(p);
+    paged_attention_wmma_tile<T, D, KEYS>(p);
   } else {
     __trap();
   }
+#else
+  (void)p;
+  __trap();
+#endif
 }
 
 }  // namespace clef

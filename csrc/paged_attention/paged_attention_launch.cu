@@ -27,96 +27,113 @@ const char* reshape_and_cache_cuda(const CacheWriteParams& p, ScalarKind kind, v
   return "reshape_and_cache: unknown dtype";
 }
 
-template <typename T, int D>
+// Above the 48 KB default a kernel must opt in to its dynamic shared memory (cudaFuncSetAttribute).
+template <typename Kernel>
+static const char* opt_in(Kernel* kernel, int smem) {
+  if (smem <= kDefaultSmemBytes) return nullptr;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+template <typename T, int D, int KEYS>
 static const char* launch_attention(const PagedAttentionParams& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.num_tokens == 0) return nullptr;
-  if (!paged_attention_cuda_supports_group(p.num_q_heads / p.num_kv_heads))
-    return "the SIMT kernel needs num_q_heads / num_kv_heads to divide its 16-row tile";
   const int tile_tokens = kAttnRows / (p.num_q_heads / p.num_kv_heads);
   // Bounded by the whole pack so no device-to-host copy of cu_seqlens_q is needed; tiles past a
   // sequence's queries exit at once.
   const unsigned q_tiles = static_cast<unsigned>((p.num_tokens + tile_tokens - 1) / tile_tokens);
-  const size_t smem = sizeof(float) * paged_attention_smem_floats<D>();
-  auto* kernel = &paged_attention_kernel<T, D>;
-  // Above 48 KB a kernel must opt in to its dynamic shared memory (D = 256 in fp32 needs ~50 KB).
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (err != cudaSuccess) return cudaGetErrorString(err);
+  constexpr int smem = 4 * paged_attention_smem_floats(D, KEYS);
+  auto* kernel = &paged_attention_kernel<T, D, KEYS>;
+  if (const char* err = opt_in(kernel, smem)) return err;
   CLEF_LAUNCH(kernel, dim3(q_tiles, p.num_kv_heads, p.batch), kAttnThreads, smem, stream)(p);
   return last_error();
 }
 
+// The SIMT kernel with the largest key tile the device's shared memory holds.
 template <typename T>
-static const char* launch_for_head_dim(const PagedAttentionParams& p, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 16: return launch_attention<T, 16>(p, stream);
-    case 32: return launch_attention<T, 32>(p, stream);
-    case 64: return launch_attention<T, 64>(p, stream);
-    case 128: return launch_attention<T, 128>(p, stream);
-    case 256: return launch_attention<T, 256>(p, stream);
+static const char* launch_for_head_dim(const PagedAttentionParams& p, AttentionDevice device, cudaStream_t stream) {
+  if (p.batch == 0 || p.num_tokens == 0) return nullptr;
+  if (!paged_attention_cuda_supports_group(p.num_q_heads / p.num_kv_heads))
+    return "the SIMT kernel needs num_q_heads / num_kv_heads to divide its 16-row tile";
+  const int keys = CLEF_FAULT(attention_ignores_smem_limit, paged_attention_simt_keys(p.head_dim, device.smem_limit),
+                              paged_attention_simt_key_options(p.head_dim, 0));
+  switch (p.head_dim * 1000 + keys) {
+    case 16032: return launch_attention<T, 16, 32>(p, stream);
+    case 32032: return launch_attention<T, 32, 32>(p, stream);
+    case 64032: return launch_attention<T, 64, 32>(p, stream);
+    case 128032: return launch_attention<T, 128, 32>(p, stream);
+    case 256016: return launch_attention<T, 256, 16>(p, stream);
+    case 256008: return launch_attention<T, 256, 8>(p, stream);
   }
+  if (paged_attention_cuda_supports_head_dim(p.head_dim))
+    return "no SIMT attention tile of this head dim fits the device's shared memory per block";
   return "paged attention CUDA kernels are compiled for head dims 16, 32, 64, 128 and 256";
 }
 
-template <typename T, int D>
+template <typename T, int D, int KEYS>
 static const char* launch_attention_wmma(const PagedAttentionParams& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.num_tokens == 0) return nullptr;
   const int tile_tokens = kWmmaRows / (p.num_q_heads / p.num_kv_heads);
   const unsigned q_tiles = static_cast<unsigned>((p.num_tokens + tile_tokens - 1) / tile_tokens);
-  constexpr int smem = WmmaLayout<D>::kBytes;
-  auto* kernel = &paged_attention_wmma_kernel<T, D>;
-  // D = 256 needs more than the 48 KB every kernel gets by default (paged_attention.h, WmmaLayout).
-  if (smem > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return cudaGetErrorString(err);
-  }
+  constexpr int smem = WmmaLayout<D, KEYS>::kBytes;
+  auto* kernel = &paged_attention_wmma_kernel<T, D, KEYS>;
+  if (const char* err = opt_in(kernel, smem)) return err;
   CLEF_LAUNCH(kernel, dim3(q_tiles, p.num_kv_heads, p.batch), kWmmaThreads, smem, stream)(p);
   return last_error();
 }
 
+// The tensor-core kernel with the largest key tile the device's shared memory holds.
 template <typename T>
-static const char* launch_wmma_for_head_dim(const PagedAttentionParams& p, cudaStream_t stream) {
-  switch (p.head_dim) {
-    case 64: return launch_attention_wmma<T, 64>(p, stream);
-    case 128: return launch_attention_wmma<T, 128>(p, stream);
-    case 256: return launch_attention_wmma<T, 256>(p, stream);
+static const char* launch_wmma_for_head_dim(const PagedAttentionParams& p, AttentionDevice device,
+                                            cudaStream_t stream) {
+  if (p.batch == 0 || p.num_tokens == 0) return nullptr;
+  const int keys = CLEF_FAULT(attention_ignores_smem_limit, paged_attention_wmma_keys(p.head_dim, device.smem_limit),
+                              paged_attention_wmma_key_options(p.head_dim, 0));
+  switch (p.head_dim * 1000 + keys) {
+    case 64064: return launch_attention_wmma<T, 64, 64>(p, stream);
+    case 128032: return launch_attention_wmma<T, 128, 32>(p, stream);
+    case 256032: return launch_attention_wmma<T, 256, 32>(p, stream);
+    case 256016: return launch_attention_wmma<T, 256, 16>(p, stream);
   }
-  return "the tensor-core kernel is compiled for head dims 64, 128 and 256";
+  return "the tensor-core kernel is compiled for head dims 64, 128 and 256 (within the device's shared memory)";
 }
 
-static int current_compute_capability() {
-  int device = 0, major = 0, minor = 0;
+// The device's compute capability and per-block shared memory; zeros (the SIMT kernel, the 48 KB
+// default) when it cannot be read.
+static AttentionDevice current_device() {
+  int device = 0, major = 0, minor = 0, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
     cudaGetLastError();  // clear it: the SIMT kernel is the safe answer
-    return 0;
+    return AttentionDevice{0, kDefaultSmemBytes};
   }
-  return 10 * major + minor;
+  return AttentionDevice{10 * major + minor, optin > kDefaultSmemBytes ? optin : kDefaultSmemBytes};
 }
 
 AttentionChoice paged_attention_cuda_choice(const PagedAttentionParams& p, ScalarKind kind) {
-  const int cc = current_compute_capability();
-  AttentionChoice choice{paged_attention_choose_kernel(p, kind, cc), nullptr};
-  if (choice.kernel == AttentionKernel::Wmma) choice.error = paged_attention_wmma_unsupported(p, kind, cc);
+  const AttentionDevice device = current_device();
+  AttentionChoice choice{paged_attention_choose_kernel(p, kind, device), nullptr};
+  if (choice.kernel == AttentionKernel::Wmma) choice.error = paged_attention_wmma_unsupported(p, kind, device);
   return choice;
 }
 
 const char* paged_attention_cuda(const PagedAttentionParams& p, ScalarKind kind, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const AttentionDevice device = current_device();
   const AttentionChoice choice = paged_attention_cuda_choice(p, kind);
   if (choice.error != nullptr) return choice.error;
   if (choice.kernel == AttentionKernel::Wmma) {
     switch (kind) {
-      case ScalarKind::F16: return launch_wmma_for_head_dim<__half>(p, stream);
-      case ScalarKind::BF16: return launch_wmma_for_head_dim<__nv_bfloat16>(p, stream);
+      case ScalarKind::F16: return launch_wmma_for_head_dim<__half>(p, device, stream);
+      case ScalarKind::BF16: return launch_wmma_for_head_dim<__nv_bfloat16>(p, device, stream);
       case ScalarKind::F32: break;  // paged_attention_wmma_unsupported said so already
     }
     return "paged_attention: the tensor-core kernel takes f16 or bf16";
   }
   switch (kind) {
-    case ScalarKind::F32: return launch_for_head_dim<float>(p, stream);
-    case ScalarKind::F16: return launch_for_head_dim<__half>(p, stream);
-    case ScalarKind::BF16: return launch_for_head_dim<__nv_bfloat16>(p, stream);
+    case ScalarKind::F32: return launch_for_head_dim<float>(p, device, stream);
+    case ScalarKind::F16: return launch_for_head_dim<__half>(p, device, stream);
+    case ScalarKind::BF16: return launch_for_head_dim<__nv_bfloat16>(p, device, stream);
   }
   return "paged_attention: unknown dtype";
 }

@@ -7,8 +7,9 @@
 // NaN-poisoned per block (every 4-byte word 0x7fff7fff: NaN as fp32 and as both of its f16 or bf16
 // halves), so reading a slot no thread wrote shows up in the results. What a GPU would fault on is
 // checked: misaligned 16-byte and WMMA accesses, more than 48 KB of dynamic shared memory without the
-// kernel's opt-in, more than sm_70's 96 KB with it. The device has a compute capability tests can set
-// (default 8.0), for the launchers' dispatch rules. This is not a product code path:
+// kernel's opt-in, more than the simulated compute capability's opt-in limit with it. The device has a
+// compute capability tests can set (default 8.0): the launchers' dispatch rules and tile choices read it,
+// and so does the shared-memory limit (48 KB sm_60/61 ... 227 KB sm_90). This is not a product code path:
 // tests/cuda_sim/build.py compiles it into a separate module whose ops live in torch.ops.clef_sim.
 #pragma once
 
@@ -55,15 +56,17 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return
 using cudaStream_t = void*;
 enum cudaError_t { cudaSuccess = 0 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
-enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor = 75, cudaDevAttrComputeCapabilityMinor = 76 };
+enum cudaDeviceAttr {
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrComputeCapabilityMinor = 76,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+};
 inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 
 namespace clef_sim {
 
-// Largest dynamic shared memory a kernel may use on the oldest supported GPU (sm_70 opt-in limit), and
-// what every kernel gets without opting in.
-constexpr int kMaxDynamicSmemBytes = 96 * 1024;
+// What every kernel gets without opting in.
 constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
 
 // The simulated device (tests set it through torch.ops.clef_sim.set_compute_capability) and the fault
@@ -71,6 +74,20 @@ constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
 // set between launches only.
 inline int compute_capability = 80;
 inline std::string active_fault;
+
+// The most shared memory one block may have on the simulated device, with the opt-in
+// (cudaDevAttrMaxSharedMemoryPerBlockOptin; CUDA C++ Programming Guide, "Compute Capabilities"):
+// Pascal cannot opt in above the 48 KB default.
+inline int max_dynamic_smem_bytes() {
+  switch (compute_capability) {
+    case 70: case 72: return 96 * 1024;
+    case 75: return 64 * 1024;
+    case 80: case 87: return 163 * 1024;
+    case 86: case 89: return 99 * 1024;
+    case 90: return 227 * 1024;
+    default: return kDefaultDynamicSmemBytes;  // sm_60/61/62, and any capability not listed
+  }
+}
 
 // Dynamic shared memory each kernel opted in to with cudaFuncSetAttribute.
 inline std::mutex attribute_mutex;
@@ -185,9 +202,11 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
 
 template <typename Kernel>
 inline cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute, int value) {
-  if (value > clef_sim::kMaxDynamicSmemBytes)
+  if (value > clef_sim::max_dynamic_smem_bytes())
     throw std::runtime_error("simulated CUDA: a kernel asks for " + std::to_string(value) +
-                             " bytes of dynamic shared memory, more than sm_70 allows");
+                             " bytes of dynamic shared memory, more than sm_" +
+                             std::to_string(clef_sim::compute_capability) + " allows (" +
+                             std::to_string(clef_sim::max_dynamic_smem_bytes()) + ")");
   std::lock_guard<std::mutex> lock(clef_sim::attribute_mutex);
   clef_sim::max_dynamic_smem[reinterpret_cast<const void*>(kernel)] = value;
   return cudaSuccess;
@@ -199,7 +218,11 @@ inline cudaError_t cudaGetDevice(int* device) {
 }
 
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
-  *value = attr == cudaDevAttrComputeCapabilityMajor ? clef_sim::compute_capability / 10 : clef_sim::compute_capability % 10;
+  switch (attr) {
+    case cudaDevAttrComputeCapabilityMajor: *value = clef_sim::compute_capability / 10; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = clef_sim::compute_capability % 10; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = clef_sim::max_dynamic_smem_bytes(); break;
+  }
   return cudaSuccess;
 }
 
@@ -222,7 +245,10 @@ class Launch {
     const int threads = static_cast<int>(block_.x * block_.y * block_.z);
     if (threads <= 0 || threads % 32 != 0 || threads > 1024)
       throw std::runtime_error("simulated CUDA: block size must be a positive multiple of 32 up to 1024");
-    if (smem_ > static_cast<size_t>(kMaxDynamicSmemBytes)) throw std::runtime_error("simulated CUDA: too much dynamic shared memory");
+    if (smem_ > static_cast<size_t>(max_dynamic_smem_bytes()))
+      throw std::runtime_error("simulated CUDA: a launch with " + std::to_string(smem_) +
+                               " bytes of dynamic shared memory, more than sm_" + std::to_string(compute_capability) +
+                               " allows (" + std::to_string(max_dynamic_smem_bytes()) + ")");
     if (smem_ > static_cast<size_t>(kDefaultDynamicSmemBytes)) {
       std::lock_guard<std::mutex> lock(attribute_mutex);
       auto opted = max_dynamic_smem.find(reinterpret_cast<const void*>(kernel_));

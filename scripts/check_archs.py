@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Compiles every CUDA kernel instantiation for sm_70 (V100) with CUDA 12.9's NVRTC; exits 1 on any error.
+"""Compiles every CUDA kernel instantiation for every GPU generation we serve, sm_60 (P100) to sm_90
+(H100), with CUDA 12.9's NVRTC; exits 1 on any error, spill or limit exceeded.
 
-nvcc 13 cannot target sm_70, so this is how CI proves the kernels still build for V100. It compiles the
-device-code headers (csrc/*/*_kernels.cuh) to a cubin (ptxas included) for the same instantiations the
-launchers dispatch, prints ptxas' resource usage per kernel (registers, static shared memory, spills, the
-block size its __launch_bounds__ declares) and the dynamic shared memory of each paged-attention launch
-config, and fails when a kernel exceeds sm_70's limits: 255 registers per thread, 64 K registers per
-block (registers x threads), 48 KB of static shared memory, 96 KB of dynamic shared memory (above 48 KB
-only with the launcher's cudaFuncSetAttribute opt-in, which the CUDA simulator's launches check).
-tests/test_check_sm70.py runs it.
+nvcc 13 cannot target sm_60..sm_70, so this is how CI proves the kernels still build for Pascal and V100
+(and checks the others' resources). It compiles the device-code headers (csrc/*/*_kernels.cuh) to a cubin
+(ptxas included) for the same instantiations the launchers dispatch, prints ptxas' resource usage per
+kernel and arch (registers, registers x the block size its __launch_bounds__ declares, static shared
+memory, spills) and, per arch, which paged-attention tile each head dim gets and its dynamic shared
+memory, computed by the launchers' own functions (csrc/paged_attention/paged_attention.h) against the
+arch's per-block limit. It fails when a kernel spills, exceeds 255 registers a thread, 64 K registers a
+block or 48 KB of static shared memory, or when a head dim has no tile that fits an arch (a tensor-core
+tile from sm_70 on; the SIMT one everywhere). `--arch sm_70` checks one (make check-sm70).
+tests/test_check_archs.py runs it.
 
 Needs the PyPI packages nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12 (crt/ headers),
 nvidia-cuda-cccl-cu12 (cuda/std) and nvidia-cuda-runtime-cu12 (cuda_fp16.h), all 12.9, either in this
@@ -34,12 +37,24 @@ INSTALL_HINT = (
     "'nvidia-cuda-cccl-cu12==12.9.*' 'nvidia-cuda-runtime-cu12==12.9.*'"
 )
 
-# Compute capability 7.0's limits per kernel (CUDA C++ Programming Guide, "Compute Capabilities").
+# Limits per kernel on every arch below (CUDA C++ Programming Guide, "Compute Capabilities").
 MAX_REGISTERS_PER_THREAD = 255
 MAX_REGISTERS_PER_BLOCK = 64 * 1024
 MAX_STATIC_SMEM = 48 * 1024
 DEFAULT_DYNAMIC_SMEM = 48 * 1024  # without cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize)
-MAX_DYNAMIC_SMEM = 96 * 1024  # with it (static + dynamic)
+# Per arch: the most shared memory a block may have with the opt-in (Pascal cannot opt in), and the cards.
+ARCHS = {
+    "sm_60": (48 * 1024, "P100"),
+    "sm_61": (48 * 1024, "P40, GTX 10x0"),
+    "sm_70": (96 * 1024, "V100"),
+    "sm_75": (64 * 1024, "T4, RTX 20x0"),
+    "sm_80": (163 * 1024, "A100"),
+    "sm_86": (99 * 1024, "A10, RTX 30x0"),
+    "sm_89": (99 * 1024, "L4, RTX 40x0"),
+    "sm_90": (227 * 1024, "H100, H200"),
+}
+HEAD_DIMS = (16, 32, 64, 128, 256)
+WMMA_HEAD_DIMS = (64, 128, 256)
 
 # (kernels header, launcher, explicit instantiations). The launcher is read to make sure every size it
 # dispatches is compiled here too.
@@ -66,16 +81,17 @@ FAMILIES = {
         "paged_attention/paged_attention_launch.cu",
         [f"template __global__ void clef::reshape_and_cache_kernel<{t}>(clef::CacheWriteParams);" for t in DTYPES]
         + [
-            f"template __global__ void clef::paged_attention_kernel<{t}, {d}>(clef::PagedAttentionParams);"
+            f"template __global__ void clef::paged_attention_kernel<{t}, {d}, {k}>(clef::PagedAttentionParams);"
             for t in DTYPES
-            for d in (16, 32, 64, 128, 256)
+            for d, k in ((16, 32), (32, 32), (64, 32), (128, 32), (256, 16), (256, 8))
         ]
         + [
-            f"template __global__ void clef::paged_attention_wmma_kernel<{t}, {d}>(clef::PagedAttentionParams);"
+            f"template __global__ void clef::paged_attention_wmma_kernel<{t}, {d}, {k}>(clef::PagedAttentionParams);"
             for t in DTYPES[1:]
-            for d in (64, 128, 256)
+            for d, k in ((64, 64), (128, 32), (256, 32), (256, 16))
         ],
-        [16, 32, 64, 128, 256],
+        # the launchers' switch cases: head_dim * 1000 + keys per tile
+        [16032, 32032, 64032, 128032, 256016, 256008, 64064, 256032],
     ),
     "dequantize": (
         "dequantize/dequantize_kernels.cuh",
@@ -153,8 +169,10 @@ class KernelUsage:
     threads: int | None  # None: no __launch_bounds__ (then the launch could use up to 1024 threads)
 
     def violations(self) -> list[str]:
-        """What exceeds sm_70's limits (empty: it fits)."""
+        """What exceeds the per-kernel limits, or spills (empty: it fits)."""
         problems = []
+        if self.spill_bytes:
+            problems.append(f"{self.spill_bytes} B of register spills")
         if self.registers > MAX_REGISTERS_PER_THREAD:
             problems.append(f"{self.registers} registers per thread > {MAX_REGISTERS_PER_THREAD}")
         if self.threads is None:
@@ -170,17 +188,18 @@ class KernelUsage:
 
 
 @dataclass
-class DynamicSmem:
-    """A launch config's dynamic shared memory, as the launcher computes it."""
+class Tile:
+    """The paged-attention tile an arch gets for a head dim: keys per tile and its dynamic shared memory
+    (0 keys: no tile fits)."""
 
-    config: str
+    kernel: str  # "wmma" | "simt"
+    head_dim: int
+    keys: int
     bytes: int
 
     @property
-    def limit(self) -> str:
-        if self.bytes > MAX_DYNAMIC_SMEM:
-            return f"over sm_70's {MAX_DYNAMIC_SMEM // 1024} KB"
-        return "48 KB default" if self.bytes <= DEFAULT_DYNAMIC_SMEM else "96 KB opt-in (cudaFuncSetAttribute)"
+    def opt_in(self) -> bool:
+        return self.bytes > DEFAULT_DYNAMIC_SMEM
 
 
 @dataclass
@@ -188,7 +207,7 @@ class Report:
     arch: str
     nvrtc_version: str
     kernels: list[KernelUsage] = field(default_factory=list)
-    dynamic_smem: list[DynamicSmem] = field(default_factory=list)
+    tiles: list[Tile] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
 
@@ -230,38 +249,44 @@ def kernel_usage(log_lines: list[str], ptx: str) -> list[KernelUsage]:
     return usage
 
 
-def dynamic_smem_configs() -> list[DynamicSmem]:
-    """The dynamic shared memory of every paged-attention launch config, computed by the launchers' own
-    functions (csrc/paged_attention/paged_attention.h is torch- and CUDA-free) in a host-compiled probe."""
+def attention_tiles(smem_limit: int) -> list[Tile]:
+    """The tile each head dim gets on a device with `smem_limit` bytes of shared memory a block, from the
+    launchers' own functions (csrc/paged_attention/paged_attention.h is torch- and CUDA-free), compiled
+    into a host probe."""
     probe = r"""
 #include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
 #include "paged_attention/paged_attention.h"
-int main() {
-  for (int d : {64, 128, 256})
-    std::printf("paged_attention_wmma_kernel<f16|bf16, %d> %d\n", d, clef::paged_attention_wmma_smem_bytes(d));
-  std::printf("paged_attention_kernel<*, 16> %d\n", 4 * clef::paged_attention_smem_floats<16>());
-  std::printf("paged_attention_kernel<*, 32> %d\n", 4 * clef::paged_attention_smem_floats<32>());
-  std::printf("paged_attention_kernel<*, 64> %d\n", 4 * clef::paged_attention_smem_floats<64>());
-  std::printf("paged_attention_kernel<*, 128> %d\n", 4 * clef::paged_attention_smem_floats<128>());
-  std::printf("paged_attention_kernel<*, 256> %d\n", 4 * clef::paged_attention_smem_floats<256>());
+int main(int, char** argv) {
+  const int limit = std::atoi(argv[1]);
+  for (int d : {16, 32, 64, 128, 256}) {
+    const int keys = clef::paged_attention_simt_keys(d, limit);
+    std::printf("simt %d %d %d\n", d, keys, keys ? 4 * clef::paged_attention_smem_floats(d, keys) : 0);
+  }
+  for (int d : {64, 128, 256}) {
+    const int keys = clef::paged_attention_wmma_keys(d, limit);
+    std::printf("wmma %d %d %d\n", d, keys, keys ? clef::paged_attention_wmma_smem_bytes(d, keys) : 0);
+  }
 }
 """
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "probe"
         subprocess.run(
-            ["c++", "-std=c++17", f"-I{ROOT / 'csrc'}", "-x", "c++", "-", "-o", str(exe)],
+            ["c++", "-std=c++20", f"-I{ROOT / 'csrc'}", "-x", "c++", "-", "-o", str(exe)],
             input=probe,
             text=True,
             check=True,
             capture_output=True,
         )
-        lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()
-    return [DynamicSmem(config, int(size)) for config, size in (line.rsplit(" ", 1) for line in lines)]
+        out = subprocess.run([str(exe), str(smem_limit)], capture_output=True, text=True, check=True).stdout
+    return [
+        Tile(kind, int(d), int(keys), int(size)) for kind, d, keys, size in (line.split() for line in out.splitlines())
+    ]
 
 
-def check(packages: str | None = None, arch: str = "sm_70") -> Report:
-    """Compile every family for `arch`; FileNotFoundError (saying what to install) without NVRTC 12."""
+def nvrtc_for(packages: str | None) -> tuple[Nvrtc, list[Path]]:
+    """NVRTC 12 and its include dirs; FileNotFoundError (saying what to install) without them."""
     dirs = find_nvidia_dirs(packages)
     if not dirs:
         raise FileNotFoundError(
@@ -274,7 +299,12 @@ def check(packages: str | None = None, arch: str = "sm_70") -> Report:
         raise FileNotFoundError(
             f"missing header dirs {missing}: install nvidia-cuda-{{runtime,nvcc,cccl}}-cu12==12.9.*"
         )
-    nvrtc = Nvrtc(nvidia / "cuda_nvrtc" / "lib" / "libnvrtc.so.12")
+    return Nvrtc(nvidia / "cuda_nvrtc" / "lib" / "libnvrtc.so.12"), includes
+
+
+def check(packages: str | None = None, arch: str = "sm_70") -> Report:
+    """Compile every family for `arch` (one of ARCHS) and check its limits and attention tiles."""
+    nvrtc, includes = nvrtc_for(packages)
     options = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v", f"-I{ROOT / 'csrc'}"]
     options += [f"-I{i}" for i in includes]
     report = Report(arch, nvrtc.version)
@@ -294,47 +324,63 @@ def check(packages: str | None = None, arch: str = "sm_70") -> Report:
             report.failures.append(f"{family}: ptxas reported {len(kernels)} kernels for {len(instantiations)}")
         report.kernels += kernels
         report.failures += [f"{k.name}: {problem}" for k in kernels for problem in k.violations()]
-    report.dynamic_smem = dynamic_smem_configs()
-    report.failures += [
-        f"{c.config}: {c.bytes} B of dynamic shared memory, {c.limit}"
-        for c in report.dynamic_smem
-        if c.bytes > MAX_DYNAMIC_SMEM
-    ]
+    limit = ARCHS[arch][0]
+    report.tiles = attention_tiles(limit)
+    tensor_cores = int(arch.removeprefix("sm_")) >= 70
+    for tile in report.tiles:
+        if tile.keys == 0 and (tile.kernel == "simt" or tensor_cores):
+            report.failures.append(f"{tile.kernel} attention, head dim {tile.head_dim}: no tile fits {limit} B")
+        if tile.bytes > limit:
+            report.failures.append(f"{tile.kernel} attention, head dim {tile.head_dim}: {tile.bytes} B > {limit} B")
     return report
 
 
 def print_report(report: Report, quiet: bool) -> None:
-    print(f"check_sm70: NVRTC {report.nvrtc_version}, target {report.arch}")
-    if not quiet:
-        print(f"     {'kernel':78s} {'regs':>4s} {'x threads':>9s} {'static smem':>11s} {'spills':>6s}")
-        for k in report.kernels:
-            per_block = f"{k.registers * k.threads}" if k.threads else "?"
-            print(
-                f"     {k.name[:78]:78s} {k.registers:>4d} {per_block:>9s} {k.static_smem:>9d} B {k.spill_bytes:>4d} B"
-            )
-        print("     dynamic shared memory per paged-attention launch config (sm_70: 48 KB default, 96 KB opt-in):")
-        for c in report.dynamic_smem:
-            print(f"     {c.config:44s} {c.bytes:>6d} B ({c.bytes / 1024:.2f} KB)  {c.limit}")
+    limit, cards = ARCHS[report.arch]
+    print(f"check_archs: NVRTC {report.nvrtc_version}, target {report.arch} ({cards}; {limit // 1024} KB a block)")
+    if quiet:
+        return
+    print(f"     {'kernel':78s} {'regs':>4s} {'x threads':>9s} {'static smem':>11s} {'spills':>6s}")
+    for k in report.kernels:
+        per_block = f"{k.registers * k.threads}" if k.threads else "?"
+        print(f"     {k.name[:78]:78s} {k.registers:>4d} {per_block:>9s} {k.static_smem:>9d} B {k.spill_bytes:>4d} B")
+    print("     paged-attention tiles (keys per tile, dynamic shared memory):")
+    tensor_cores = int(report.arch.removeprefix("sm_")) >= 70
+    for t in report.tiles:
+        if t.kernel == "wmma" and not tensor_cores:
+            continue
+        where = f"     {t.kernel:4s} D={t.head_dim:<3d}"
+        if t.keys:
+            how = "opt-in" if t.opt_in else "48 KB default"
+            print(f"{where} {t.keys:>2d} keys {t.bytes:>6d} B ({t.bytes / 1024:.2f} KB, {how})")
+        else:
+            print(f"{where} none fits: {'the SIMT kernel runs' if t.kernel == 'wmma' else 'FAIL'}")
+    if not tensor_cores:
+        print("     wmma: no tensor cores before sm_70 (the SIMT kernel runs; f16 activations, or f32 on sm_61)")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--packages", help="a `pip install --target` dir holding the nvidia-*-cu12 12.9 packages")
-    parser.add_argument("--arch", default="sm_70", help="target (default sm_70)")
+    parser.add_argument("--arch", action="append", choices=sorted(ARCHS), help="target(s) (default: every arch)")
     parser.add_argument("--quiet", action="store_true", help="do not print the resource usage")
     args = parser.parse_args()
-    try:
-        report = check(args.packages, args.arch)
-    except FileNotFoundError as missing:
-        print(f"check_sm70: {missing}\nand pass --packages .cache/nvrtc12", file=sys.stderr)
+    failures = 0
+    for arch in args.arch or list(ARCHS):
+        try:
+            report = check(args.packages, arch)
+        except FileNotFoundError as missing:
+            print(f"check_archs: {missing}\nand pass --packages .cache/nvrtc12", file=sys.stderr)
+            return 1
+        print_report(report, args.quiet)
+        for failure in report.failures:
+            print(f"FAIL {report.arch} {failure}")
+        failures += len(report.failures)
+        if not report.failures:
+            print(f"check_archs: every kernel compiles for {arch} within its limits ({len(report.kernels)} kernels)")
+    if failures:
+        print(f"check_archs: {failures} failure(s)")
         return 1
-    print_report(report, args.quiet)
-    for failure in report.failures:
-        print(f"FAIL {failure}")
-    if report.failures:
-        print(f"check_sm70: {len(report.failures)} failure(s)")
-        return 1
-    print(f"check_sm70: every kernel compiles for {args.arch} within its limits ({len(report.kernels)} kernels)")
     return 0
 
 

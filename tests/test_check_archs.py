@@ -1,0 +1,90 @@
+"""Every CUDA kernel compiles for every GPU generation we serve, sm_60 (P100) to sm_90, with CUDA 12.9's
+NVRTC (scripts/check_archs.py): no spills, ptxas' figures within each arch's limits, a paged-attention
+tile for every head dim within the arch's shared memory per block (a tensor-core one from sm_70, the
+D = 256 one on a T4 in 64 KB), and the limit checks themselves shown to fail on kernels over them."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def check_archs_module():
+    spec = importlib.util.spec_from_file_location("check_archs", ROOT / "scripts" / "check_archs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def report(arch: str):
+    module = check_archs_module()
+    try:
+        return module.check(str(ROOT / ".cache" / "nvrtc12"), arch)
+    except FileNotFoundError as missing:
+        pytest.fail(f"the NVRTC 12.9 oracle is missing ({missing}); scripts/setup_env.sh puts it in .cache/nvrtc12")
+
+
+ARCHS = ("sm_60", "sm_61", "sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_within_the_arch_limits_without_spills(arch):
+    result = report(arch)
+    assert not result.failures, "\n".join(result.failures)
+    for kernel in result.kernels:
+        assert kernel.threads is not None and kernel.spill_bytes == 0, kernel
+        assert kernel.registers <= 255 and kernel.registers * kernel.threads <= 65536, kernel
+        assert kernel.static_smem <= 48 * 1024, kernel
+
+
+def tiles(arch: str) -> dict[tuple[str, int], tuple[int, int]]:
+    return {(t.kernel, t.head_dim): (t.keys, t.bytes) for t in report(arch).tiles}
+
+
+def test_each_card_gets_the_tiles_its_shared_memory_holds():
+    """D = 256 (clef-flash): the 32-key tensor-core tile (75.75 KB) where the opt-in allows it, the
+    16-key one (55 KB) in a T4's 64 KB; the SIMT kernel's 8-key tile (33.6 KB) in Pascal's 48 KB."""
+    assert tiles("sm_75")[("wmma", 256)] == (16, 56320)
+    for arch in ("sm_70", "sm_80", "sm_86", "sm_89", "sm_90"):
+        assert tiles(arch)[("wmma", 256)] == (32, 77568), arch
+    for arch in ARCHS:
+        limit = check_archs_module().ARCHS[arch][0]
+        simt = tiles(arch)[("simt", 256)]
+        assert simt == ((8, 33568) if limit == 48 * 1024 else (16, 50560)), arch
+        assert all(size <= limit for _, size in tiles(arch).values()), arch
+        for d in (64, 128):
+            assert tiles(arch)[("wmma", d)][1] <= 48 * 1024  # no opt-in needed anywhere
+
+
+def test_the_tensor_core_kernels_do_not_spill_where_they_run():
+    """Eight tensor-core instantiations (f16, bf16 x D = 64, 128, 256 x32, 256 x16), 128 threads; below sm_70
+    (and bf16 below sm_80) they compile to a trap the launcher never reaches."""
+    for arch in ("sm_70", "sm_75", "sm_90"):
+        wmma = {k.name: k for k in report(arch).kernels if "paged_attention_wmma_kernel" in k.name}
+        assert len(wmma) == 8, sorted(wmma)
+        for kernel in wmma.values():
+            assert kernel.threads == 128 and kernel.spill_bytes == 0, kernel
+        f16 = [k for name, k in wmma.items() if "__half" in name]
+        assert all(k.registers > 32 for k in f16), f16  # real tensor-core code, not a trap
+    assert all(k.registers < 16 for k in report("sm_60").kernels if "paged_attention_wmma_kernel" in k.name)
+
+
+def test_the_limit_checks_fail_kernels_over_the_limits():
+    usage = check_archs_module().KernelUsage
+    assert not usage("fits", 255, 48 * 1024, 0, 256).violations()
+    assert usage("too many registers per block", 168, 0, 0, 512).violations()
+    assert usage("too many registers per thread", 256, 0, 0, 32).violations()
+    assert usage("too much static shared memory", 32, 48 * 1024 + 1, 0, 128).violations()
+    assert usage("no launch bounds", 32, 0, 0, None).violations()
+    assert usage("spills", 64, 0, 16, 128).violations()
+    module = check_archs_module()
+    assert [t.keys for t in module.attention_tiles(40 * 1024) if t.kernel == "simt"] == [32, 32, 32, 0, 8]
