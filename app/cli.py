@@ -330,7 +330,7 @@ def make_plan(args, quantize: str | None = None):
     if args.adapters or args.enable_adapter_loading:  # the pool the registry will reserve
         head_dtype = getattr(torch, DTYPES[args.adapter_head_dtype])
         reserved = adapter_pool_bytes(config, dtype, args.max_adapters, args.max_adapter_rank, head_dtype)
-    return plan_serving(
+    plan = plan_serving(
         args.weights,
         config,
         engine_config(args),
@@ -341,6 +341,16 @@ def make_plan(args, quantize: str | None = None):
         where=where,
         reserved_bytes=reserved,
     )
+    if device.type == "cuda" and args.gpu_memory is None:  # the card itself: say what its kernels are
+        from dataclasses import replace
+
+        from clef_cuda import ops
+
+        props = torch.cuda.get_device_properties(device)
+        smem = getattr(props, "shared_memory_per_block_optin", 48 * 1024)
+        tiles = ops.paged_attention_tiles(config.trunk.head_dim, 10 * props.major + props.minor, smem)
+        plan = replace(plan, kernels=f"head dim {config.trunk.head_dim} on sm_{props.major}{props.minor}: {tiles}")
+    return plan
 
 
 def check_plan(args, log) -> int | None:

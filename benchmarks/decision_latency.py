@@ -24,6 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+from releases import FLASH_HEAD, FLASH_TEXT, FLASH_VOCAB  # noqa: E402  (tests/ is on the path only now)
 
 RELEASES = {
     "tiny": None,  # clef_finetune.tiny.build_tiny_release
@@ -45,24 +46,8 @@ RELEASES = {
         head={"hidden_size": 1024, "width": 256, "routing_layers": 2, "layers": 2, "heads": 8, "feedforward": 1024},
         vocab_size=32000,
     ),
-    "9b": dict(  # clef-flash's shapes (Qwen3.5-9B trunk, the released head), random weights: for a GPU
-        text=dict(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=32,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            initializer_range=0.02,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        ),
-        head={"hidden_size": 4096, "width": 1024, "routing_layers": 2, "layers": 4, "heads": 16, "feedforward": 4096},
-        vocab_size=248320,
-    ),
+    # clef-flash's shapes (Qwen3.5-9B trunk, the released head), random weights: for a GPU
+    "9b": dict(text=dict(FLASH_TEXT, initializer_range=0.02), head=FLASH_HEAD, vocab_size=FLASH_VOCAB),
 }
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

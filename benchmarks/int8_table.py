@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """int8 weights (--quantize int8) against the release's own dtype, in the same run: load time, host memory
 while and after loading (each configuration in a fresh process), and decision latency at 512 and 2,048
-tokens (interleaved medians). Prints a table last.
+tokens (interleaved medians); then the dequantize overhead of one clef-flash-shaped layer (the MLP's down
+projection, 4,096 x 12,288) at 1,024 and 4,096 rows a step, dequantize + GEMM against the GEMM alone on
+this device, and its projection for V100 and T4 from bytes and FLOPs. Prints the tables last.
 
     python benchmarks/int8_table.py                       # CPU, a 51M-parameter random release (f32 vs int8)
     python benchmarks/int8_table.py --release mid --repeats 5
@@ -142,6 +144,51 @@ def latencies(path: Path, device: str, dtype: str, repeats: int) -> dict[tuple[s
     return out
 
 
+# (name, memory bandwidth B/s, f16 tensor peak FLOP/s, fraction of bandwidth and of peak a large
+# dequantize and GEMM reach): vendor peaks (shared/specs/memory.md), assumed efficiencies.
+CARDS = [("V100", 900e9, 125e12, 0.8, 0.7), ("T4", 320e9, 65e12, 0.8, 0.5)]
+FLASH_LINEAR_WEIGHTS = 6.94e9  # trunk linear weights of clef-flash (clef_cuda.model.footprint, int8)
+
+
+def layer_overhead(device: str, dtype: str, repeats: int) -> dict[int, tuple[float, float]]:
+    """Seconds of the GEMM alone and of dequantize + GEMM for the down projection at 1,024 and 4,096 rows."""
+    import torch
+
+    from clef_cuda import ops
+    from clef_cuda.model.quantize import quantize_int8
+
+    helpers = decision_latency()
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    weight = (torch.randn(4096, 12288) * 0.02).to(device=device, dtype=dt)
+    q = quantize_int8(weight, dt)
+    scratch = torch.empty_like(weight)
+    out = {}
+    for rows in (1024, 4096):
+        x = torch.randn(rows, 12288, device=device, dtype=dt)
+
+        def dense(x=x):
+            return torch.nn.functional.linear(x, weight)
+
+        def int8(x=x):
+            return torch.nn.functional.linear(x, ops.dequantize_int8(q.qweight, q.scale, out=scratch))
+
+        out[rows] = tuple(helpers.interleaved_medians([dense, int8], repeats, torch.device(device)))
+    return out
+
+
+def projection(rows: int) -> list[tuple[str, float, float, float]]:
+    """(card, dequantize ms, GEMM ms, overhead) for one clef-flash step of `rows` packed tokens: the
+    dequantize reads 1 byte and writes 2 per weight, and the GEMM then reads the 2-byte copy in place of
+    the f16 weight it would read anyway (so 3 extra bytes a weight); the GEMM is 2 x rows FLOPs a weight."""
+    result = []
+    for name, bandwidth, peak, bw_eff, flop_eff in CARDS:
+        dequantize = 3 * FLASH_LINEAR_WEIGHTS / (bandwidth * bw_eff)
+        gemm = 2 * rows * FLASH_LINEAR_WEIGHTS / (peak * flop_eff)
+        result.append((name, dequantize * 1e3, gemm * 1e3, dequantize / gemm))
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--release", default="memory", help="memory (default), tiny, mid, 9b, or a directory")
@@ -158,6 +205,7 @@ def main() -> int:
         path = Path(args.release) if Path(args.release).is_dir() else build(args.release, Path(tmp))
         loads = {q: fresh_probe(q, path, args.device, args.dtype) for q in ("none", "int8")}
         times = latencies(path, args.device, args.dtype, args.repeats)
+    layer = layer_overhead(args.device, args.dtype, args.repeats)
     mib = 2**20
     base = loads["none"]
     print(f"\nint8 weights vs {args.dtype} on {args.device} ({args.release}); memory above the process baseline")
@@ -180,6 +228,15 @@ def main() -> int:
         f"{times[('int8', 512)] / times[('none', 512)]:.2f} (512) {times[('int8', 2048)] / times[('none', 2048)]:.2f}"
         " (2048)"
     )
+    print(f"\none clef-flash-shaped layer (down_proj 4096 x 12288) on {args.device} in {args.dtype}, same run")
+    print(f"{'rows':>6s} {'GEMM ms':>9s} {'dequant+GEMM ms':>16s} {'overhead':>9s}")
+    for rows, (dense, int8) in layer.items():
+        print(f"{rows:>6d} {dense * 1e3:9.1f} {int8 * 1e3:16.1f} {int8 / dense - 1:8.1%}")
+    print("\nprojected per clef-flash step (6.94e9 int8 weights; 80% of bandwidth, 70% (V100) / 50% (T4) of peak)")
+    print(f"{'card':6s} {'rows':>6s} {'dequant ms':>11s} {'GEMM ms':>9s} {'overhead':>9s}")
+    for rows in (1024, 4096):
+        for name, dequantize, gemm, overhead in projection(rows):
+            print(f"{name:6s} {rows:>6d} {dequantize:11.1f} {gemm:9.1f} {overhead:8.1%}")
     return 0
 
 

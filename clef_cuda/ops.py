@@ -266,6 +266,12 @@ class OpLibrary:
             kernel,
         )
 
+    def paged_attention_tiles(self, head_dim: int, compute_capability: int, smem_limit: int) -> str:
+        """In words, the attention tiles a GPU of `compute_capability` (75 = sm_75) with `smem_limit` bytes of
+        shared memory a block (cudaDevAttrMaxSharedMemoryPerBlockOptin) gets for `head_dim`: the launcher's
+        own rule, e.g. "tensor cores: 16 keys a tile (55.0 KB); SIMT: 16 keys a tile (49.3 KB)"."""
+        return self._ops.paged_attention_tiles(head_dim, compute_capability, smem_limit)
+
     # ---- int8 weights ----------------------------------------------------------------------------
     def dequantize_int8(
         self, qweight: Tensor, scale: Tensor, *, dtype: torch.dtype | None = None, out: Tensor | None = None
@@ -326,6 +332,7 @@ gated_delta_rule_recurrent = _default.gated_delta_rule_recurrent
 reshape_and_cache = _default.reshape_and_cache
 paged_attention = _default.paged_attention
 paged_attention_dispatch = _default.paged_attention_dispatch
+paged_attention_tiles = _default.paged_attention_tiles
 dequantize_int8 = _default.dequantize_int8
 supported_cpu_isas = _default.supported_cpu_isas
 cpu_isa = _default.cpu_isa

@@ -48,6 +48,8 @@ CLEF_LIBRARY(CLEF_NS, m) {
       "Tensor context_lens, Tensor block_tables, str kernel=\"auto\") -> str");
   m.def("dequantize_int8(Tensor qweight, Tensor scale, Tensor(a!) out) -> ()");
   // No tensors: one kernel for every dispatch key.
+  m.def("paged_attention_tiles(int head_dim, int compute_capability, int smem_limit) -> str",
+        &clef::paged_attention_tiles);
   m.def("supported_cpu_isas() -> str[]", &clef::supported_cpu_isas);
   m.def("cpu_isa() -> str", &clef::get_cpu_isa);
   m.def("set_cpu_isa(str isa) -> str", &clef::set_cpu_isa);

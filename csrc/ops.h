@@ -38,6 +38,10 @@ std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& 
                                      const at::Tensor& context_lens, const at::Tensor& block_tables,
                                      c10::string_view kernel);
 
+// The attention tiles a device gets for a head dim (paged_attention.h's rule), in words: the tensor-core
+// tile where there is one, and the SIMT tile.
+std::string paged_attention_tiles(int64_t head_dim, int64_t compute_capability, int64_t smem_limit);
+
 // out[r, c] = qweight[r, c] * scale[r] in out's dtype (int8 weights with per-row fp32 scales).
 void dequantize_int8(const at::Tensor& qweight, const at::Tensor& scale, at::Tensor& out);
 

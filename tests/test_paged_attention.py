@@ -433,3 +433,18 @@ def test_cuda_launcher_rejects_uncompiled_head_dims(sim_ops):
     args["block_tables"] = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="compiled for head dims"):
         sim_ops.paged_attention(**args)
+
+
+def test_the_tile_rule_in_words_is_the_launchers():
+    """clef_cuda.ops.paged_attention_tiles (what --plan prints for a GPU and benchmarks/card_plans.py
+    uses) states the rule the launcher and scripts/check_archs.py apply."""
+    from clef_cuda import ops
+
+    assert ops.paged_attention_tiles(256, 75, 64 * 1024) == (
+        "tensor cores: 16 keys a tile (55.00 KB); SIMT: 16 keys a tile (49.38 KB)"
+    )
+    assert ops.paged_attention_tiles(256, 70, 96 * 1024).startswith("tensor cores: 32 keys a tile (75.75 KB)")
+    assert ops.paged_attention_tiles(256, 61, 48 * 1024) == "SIMT: 8 keys a tile (32.78 KB)"
+    assert ops.paged_attention_tiles(32, 90, 227 * 1024) == "SIMT: 32 keys a tile (12.56 KB)"  # no WMMA at D = 32
+    with pytest.raises(ValueError, match="head_dim 16, 32, 64, 128 and 256"):
+        ops.paged_attention_tiles(96, 80, 163 * 1024)

@@ -258,3 +258,39 @@ def test_int8_streams_in_and_never_holds_the_f16_model(memory_release):
     one_tensor = 8000 * 512 * 2 + 2 * 4 * 2**20 + 16 * 2**20
     assert int8["anon_peak"] - int8["anon_before"] < int8["weights"] + one_tensor < 0.5 * f32["weights"], (int8, f32)
     assert f32["anon_peak"] - f32["anon_before"] > 0.9 * f32["weights"]  # the probe does see a full load
+
+
+# ---- python -m clef_cuda.compare --------------------------------------------------------------------
+def compare(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "clef_cuda.compare", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_compare_prints_the_statistics_of_two_configurations(tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(json.dumps(r) for r in requests_for("upstream-tiny", 12)) + "\n\n")
+    result = compare("--w", str(RELEASES["upstream-tiny"]()), "--requests", str(requests), "--a", "f32", "--b", "int8")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "f32 vs int8: 12 requests" in out and "max |dp| over every option" in out
+    assert "rounded answers identical" in out and all(kind in out for kind in ("noul", "choice", "score"))
+    worst = float(out.split("max |dp| over every option:")[1].split()[0])
+    assert 0 < worst <= INT8_BOUNDS["upstream-tiny"]
+    same = compare("--w", str(RELEASES["upstream-tiny"]()), "--requests", str(requests), "--a", "f32", "--b", "f32")
+    assert "max |dp| over every option:        0.00e+00" in same.stdout  # deterministic: the same numbers
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--requests", "missing.jsonl"], "missing.jsonl: cannot be read"),
+        (["--requests", "bad.jsonl"], "bad.jsonl:2: not JSON"),
+        (["--requests", "good.jsonl", "--b", "int4"], "--a/--b: 'int4' is not a configuration"),
+    ],
+)
+def test_compare_names_a_bad_file_line_or_flag_in_one_line(tmp_path, args, words):
+    (tmp_path / "bad.jsonl").write_text('{"questions": {}}\n{not json\n')
+    (tmp_path / "good.jsonl").write_text(json.dumps(requests_for("upstream-tiny", 1)[0]) + "\n")
+    args = [str(tmp_path / a) if a.endswith(".jsonl") else a for a in args]
+    result = compare("--w", str(RELEASES["upstream-tiny"]()), *args)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, result.stderr

@@ -126,6 +126,7 @@ class ServingPlan:
     problem: str | None  # why it does not fit (None: it fits)
     block_size: int
     max_model_len: int
+    kernels: str | None = None  # the attention tiles of the device planned on, when it is a real GPU
 
     @property
     def fits(self) -> bool:
@@ -153,6 +154,8 @@ class ServingPlan:
             lines.append(f"  reserved       {gib(self.reserved_bytes):>10}  (adapter pool, vision cache)")
         if self.cache is not None:
             lines.append(f"  {self.cache.describe(self.block_size, self.max_model_len)}")
+        if self.kernels:
+            lines.append(f"  attention      {self.kernels}")
         lines.append(f"  fits: {'yes' if self.fits else 'NO: ' + self.problem}")
         return "\n".join(lines)
 

@@ -1,4 +1,7 @@
 // Host entries of the paged KV cache family: check every argument, fill the params, dispatch.
+#include <cstdio>
+#include <string>
+
 #include "common/torch_glue.h"
 #include "ops.h"
 #include "paged_attention/paged_attention_launch.h"
@@ -202,6 +205,24 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   run_on_device(
       query, op, [&](void* stream) { return paged_attention_cuda(p, kind, stream); },
       [&] { paged_attention_cpu(p, kind); });
+}
+
+std::string paged_attention_tiles(int64_t head_dim, int64_t compute_capability, int64_t smem_limit) {
+  TORCH_CHECK_VALUE(paged_attention_cuda_supports_head_dim(static_cast<int>(head_dim)),
+                    "paged_attention_tiles: the CUDA kernels are compiled for head_dim 16, 32, 64, 128 and 256, got ",
+                    head_dim);
+  const int d = static_cast<int>(head_dim), limit = static_cast<int>(smem_limit);
+  auto tile = [](const char* kernel, int keys, int bytes) {
+    char text[96];
+    std::snprintf(text, sizeof(text), "%s: %d keys a tile (%.2f KB)", kernel, keys, bytes / 1024.0);
+    return std::string(text);
+  };
+  std::string out;
+  const bool tensor_cores = compute_capability >= 70 && paged_attention_wmma_head_dim(d);
+  const int wmma = tensor_cores ? paged_attention_wmma_keys(d, limit) : 0;
+  if (wmma > 0) out = tile("tensor cores", wmma, paged_attention_wmma_smem_bytes(d, wmma)) + "; ";
+  const int simt = paged_attention_simt_keys(d, limit);
+  return out + (simt > 0 ? tile("SIMT", simt, 4 * paged_attention_smem_floats(d, simt)) : "SIMT: no tile fits");
 }
 
 std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& key_cache,
