@@ -63,7 +63,7 @@ def main() -> None:
     from clef_cuda import Decider
     from clef_cuda.model.adapters import AdapterBatch, AdapterRegistry
     from clef_cuda.model.trunk import ChunkBatch, SequenceChunk
-    from clef_cuda.serving.cache import TrunkCache
+    from clef_cuda.model.trunk_cache import TrunkCache
 
     work = Path(tempfile.mkdtemp(prefix="clef-adapter-bench-"))
     release = build("mid", work)

@@ -37,8 +37,8 @@ from selfcheck_cost import FLASH_LAYERS  # noqa: E402
 from clef_cuda import ops  # noqa: E402
 from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, TrunkConfig  # noqa: E402
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk  # noqa: E402
+from clef_cuda.model.trunk_cache import TrunkCache  # noqa: E402
 from clef_cuda.model.weights import serving_dtype_for, trunk_shapes  # noqa: E402
-from clef_cuda.serving.cache import TrunkCache  # noqa: E402
 
 HQ, HKV, D, BLOCK = (
     bench_cases.ATTN_Q_HEADS,

@@ -22,6 +22,7 @@ from clef_cuda.model.config import ReleaseConfig, load_release_config
 from clef_cuda.model.footprint import resident_weights
 from clef_cuda.model.head import JointSchemaHead, RecordLayout
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
+from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.model.vision import VisionTower
 from clef_cuda.model.weights import load_release_weights
 from clef_cuda.request import answers
@@ -35,7 +36,6 @@ from clef_cuda.request.images import (
     load_processor_config,
     wire_image_bytes,
 )
-from clef_cuda.serving.cache import TrunkCache
 
 DEFAULT_BLOCK_SIZE = 16
 

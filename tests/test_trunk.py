@@ -10,7 +10,7 @@ from conftest import qwen35_module, rel_err
 
 from clef_cuda.model.config import load_trunk_config
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
-from clef_cuda.serving.cache import TrunkCache
+from clef_cuda.model.trunk_cache import TrunkCache
 
 BLOCK = 16
 

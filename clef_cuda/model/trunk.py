@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from clef_cuda.serving.cache import TrunkCache
+from clef_cuda.model.trunk_cache import TrunkCache
 
 if TYPE_CHECKING:
     from clef_cuda.model.adapters import AdapterBatch

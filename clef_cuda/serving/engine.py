@@ -34,10 +34,11 @@ from clef_cuda.errors import ClefError, RequestTooLongError
 from clef_cuda.model.adapters import Adapter, AdapterBatch, AdapterRegistry
 from clef_cuda.model.head import HeadInputs, RecordLayout
 from clef_cuda.model.trunk import ChunkBatch
+from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.request.images import PreparedImage
-from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, TrunkCache, VisionCache
+from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
 from clef_cuda.serving.plan import CachePlan, plan_cache
 
 log = logging.getLogger("clef_cuda.serving.engine")

@@ -21,8 +21,8 @@ import torch
 
 from clef_cuda.model.config import ReleaseConfig, TrunkConfig
 from clef_cuda.model.footprint import dtype_bytes, largest_quantized_weight, planned_weights, release_has_vision
+from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.model.weights import release_headers
-from clef_cuda.serving.cache import TrunkCache
 
 GiB = 2**30
 MiB = 2**20

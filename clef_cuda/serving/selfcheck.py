@@ -39,7 +39,7 @@ import torch
 from clef_cuda import ops, reference
 from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk, rms_norm
-from clef_cuda.serving.cache import TrunkCache
+from clef_cuda.model.trunk_cache import TrunkCache
 
 Tensor = torch.Tensor
 
