@@ -158,7 +158,33 @@ def collect_images(body: dict[str, Any], parts: dict[str, bytes] | None, limits:
         _render_placeholders(
             body, {name: len(entries) + i + 1 for i, name in enumerate(_assets_in_record_order(body, assets))}
         )
+    _refuse_unattached_placeholders(body)
     return found
+
+
+def _refuse_unattached_placeholders(body: dict[str, Any]) -> None:
+    """A placeholder left in the text names an image the request does not carry: the official SDK sends
+    an f-string's image only when it is attached (client.attach_assets(img) or assets=). Answering the
+    placeholder as text would decide without the image the caller meant: a 422 naming it instead."""
+    places: list[tuple[list, Any]] = [(["body", "state"], body["state"])]
+    for question_id, question in body["questions"].items():
+        where = ["body", "questions", question_id]
+        places += [(where, question_id), ([*where, "instructions"], question.get("instructions"))]
+        criteria = question.get("criteria")
+        if isinstance(criteria, dict):
+            places += [([*where, "criteria", key], (key, value)) for key, value in criteria.items()]
+        elif isinstance(criteria, list):
+            places += [([*where, "criteria", index], value) for index, value in enumerate(criteria)]
+    for loc, value in places:
+        text = value if isinstance(value, str) else render(value)
+        found = SDK_PLACEHOLDER.search(text) if "<image:" in text else None
+        if found:
+            raise InvalidBody(
+                loc,
+                f"{found[0]} names an image the request does not carry: no asset of that name (attach it with "
+                "the SDK's client.attach_assets(image) or assets=, or remove the placeholder)",
+                "value_error",
+            )
 
 
 def _asset_bytes(asset: Any, parts: dict[str, bytes] | None, claimed: set[str], loc: list, limits) -> bytes:

@@ -209,6 +209,55 @@ def test_bad_images_are_422_naming_the_image(client, no_fetch_no_open, image, wo
     assert not no_fetch_no_open, no_fetch_no_open
 
 
+@pytest.mark.parametrize(
+    "where",
+    ["state", "state dict", "instructions", "criteria description", "criteria key", "no image request"],
+)
+def test_a_placeholder_without_its_asset_is_a_422_naming_it(client, where):
+    """Text that names an image the request does not carry (an SDK f-string whose Image was not attached)
+    would otherwise be answered as text: a wrong decision for the caller."""
+    other = "<image:" + "e" * 32 + ">"
+    attached = {PLACEHOLDER: {"type": "image", "format": "png", "data_base64": b64(png(40, 40, 1))}}
+    request = body(state=f"Photo: {PLACEHOLDER}", assets=attached)
+    loc = ["body", "state"]
+    if where == "state":
+        request["state"] = f"Photo: {PLACEHOLDER}, and {other}"
+    elif where == "state dict":
+        request["state"] = {"photo": PLACEHOLDER, "second": other}
+    elif where == "instructions":
+        request["questions"] = {"q": {"type": "noul", "instructions": f"Is {other} dented?"}}
+        loc = ["body", "questions", "q", "instructions"]
+    elif where == "criteria description":
+        request["questions"] = {"q": {"type": "choice", "criteria": {"a": f"like {other}", "b": None}}}
+        loc = ["body", "questions", "q", "criteria", "a"]
+    elif where == "criteria key":
+        request["questions"] = {"q": {"type": "choice", "criteria": {other: None, "b": None}}}
+        loc = ["body", "questions", "q", "criteria", other]
+    else:
+        request = body(state=f"see {other}")
+    response = client.post("/v1/systemone", json=request)
+    assert_422(response, loc, other)
+    assert "attach" in response.json()["detail"][0]["msg"]
+
+
+def test_the_official_client_gets_a_422_for_an_image_it_did_not_attach(decider):
+    """The SDK renders an Image in an f-string as its placeholder and uploads it only when attached."""
+    from live import live_server
+    from typesafe_sdk import Image, Noul, RetryPolicy, TypeSafeClient
+
+    image = Image(png(60, 60, 2))
+    engine = Engine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.02))
+    question = {"dented": Noul(instructions="Is the car dented?")}
+    with live_server(engine, ServerSettings()) as (url, _):
+        with TypeSafeClient(base_url=url, api_key="unused", retry=RetryPolicy(max_retries=0), timeout=60) as sdk:
+            with pytest.raises(Exception) as refused:
+                sdk.system_one(state=f"the photo: {image}", questions=question, model="clef-flash")
+            assert "422" in str(refused.value) or getattr(refused.value, "status_code", None) == 422, refused.value
+            with sdk.attach_assets(image):  # attached: the same request is answered
+                result = sdk.system_one(state=f"the photo: {image}", questions=question, model="clef-flash")
+    assert 0 <= result.nouls["dented"].noul <= 1
+
+
 def test_limits(client):
     assert_422(
         client.post("/v1/systemone", json=body(images=[b64(png(20, 20, i)) for i in range(5)])),
