@@ -18,7 +18,25 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = ["6.0", "7.0", "7.5", "8.0", "9.0"]  # 6.0 runs on 6.1, 8.0 on 8.6/8.9
-PACKAGE_DATA = {"clef_cuda": ["assets/clef-tiny/*"]}  # the embedded default model (clef_cuda/model/default_model.py)
+# The embedded default model (clef_cuda/model/default_model.py), and the torch the extension was built
+# against (clef_cuda/extension.py checks it at import).
+PACKAGE_DATA = {"clef_cuda": ["assets/clef-tiny/*", "BUILT_WITH_TORCH"]}
+BUILT_WITH_TORCH = ROOT / "clef_cuda" / "BUILT_WITH_TORCH"
+TORCH_FLOOR = "2.7.1"  # the V100 image's torch (Dockerfile TORCH_VERSION), tested by scripts/torch_floor_check.sh
+DEPENDENCIES = [
+    "numpy",
+    "safetensors",
+    "tokenizers",
+    "tqdm",
+    "psutil",
+    "fastapi",
+    "uvicorn",
+    "prometheus-client",
+    "zstandard",
+    "torchvision",  # image decoding and resizing, bit-exact with the reference's processor
+    "python-multipart",  # the SDK's image uploads (multipart/form-data)
+    "rfc8785",  # canonical JSON of the state in the routing prefix key (X-Clef-Prefix-Key)
+]
 
 
 def fail(message: str) -> None:
@@ -149,6 +167,24 @@ def extension_modules():
     ]
 
 
+def torch_pin() -> str:
+    """torch==<the installed torch>, which the extension is about to be built against; the build fails
+    below the floor. Also records torch's full version (local build tag included) for the import check."""
+    from importlib.metadata import version
+
+    import torch
+
+    installed = version("torch")
+
+    def release(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3])
+
+    if release(installed) < release(TORCH_FLOOR):
+        fail(f"torch {installed} is older than the supported floor {TORCH_FLOOR}")
+    BUILT_WITH_TORCH.write_text(torch.__version__ + "\n")
+    return f"torch=={installed}"
+
+
 def build_ext_class():
     from torch.utils.cpp_extension import BuildExtension
 
@@ -160,6 +196,7 @@ if __name__ == "__main__":
     setup(
         packages=find_packages(include=["clef_cuda", "clef_cuda.*", "app", "app.*"]),
         package_data=PACKAGE_DATA,
+        install_requires=[torch_pin(), *DEPENDENCIES],
         ext_modules=extension_modules(),
         cmdclass={"build_ext": build_ext_class()},
     )

@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         check_adapters(args, load_release_config(args.weights))
         check_not_prequantized(args.weights)
         planned = check_plan(args, log)
-    except (ValueError, ReleaseError, AdapterError) as error:
+    except (ValueError, ImportError, ReleaseError, AdapterError) as error:
         parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
     if planned is not None:
         return planned

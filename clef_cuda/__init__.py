@@ -10,9 +10,9 @@ __version__ = "0.1.0"
 
 def build_info() -> dict:
     """What the compiled extension contains: {"variant": "cpu" | "cuda", "cuda_archs": ["7.5", ...]}."""
-    import torch  # noqa: F401  (loads libc10/libtorch, which the extension links against)
+    from clef_cuda import extension
 
-    from clef_cuda import _C
+    _C = extension.load()  # torch first: it loads libc10/libtorch, which the extension links against
 
     archs = [] if _C.CUDA_ARCHS == "none" else [f"{a[:-1]}.{a[-1]}" for a in _C.CUDA_ARCHS.split("_")]
     return {"variant": _C.VARIANT, "cuda_archs": archs}

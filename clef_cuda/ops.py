@@ -19,7 +19,9 @@ from collections.abc import Iterator
 
 import torch
 
-from clef_cuda import _C  # noqa: F401  (registers torch.ops.clef)
+from clef_cuda import extension
+
+_C = extension.load()  # registers torch.ops.clef; one line naming both torch versions if they differ
 
 Tensor = torch.Tensor
 

@@ -102,16 +102,51 @@ def test_the_embedded_model_ships_in_the_wheel(setup_module):
         assert any(fnmatch(name, pattern) for pattern in setup_module.PACKAGE_DATA["clef_cuda"]), name
 
 
-def test_the_torch_floor_is_the_v100_images_torch():
-    """pyproject.toml's torch floor is the Dockerfile's TORCH_VERSION, which scripts/torch_floor_check.sh
+def test_the_torch_floor_is_the_v100_images_torch(setup_module):
+    """setup.py's torch floor is the Dockerfile's TORCH_VERSION, which scripts/torch_floor_check.sh
     (run by .ci/run) installs and tests the package under."""
     import re
 
     dockerfile = (ROOT / "Dockerfile").read_text()
     (image_torch,) = re.findall(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M)
-    (floor,) = re.findall(r'^\s*"torch>=([^"]+)",', (ROOT / "pyproject.toml").read_text(), re.M)
-    assert floor == image_torch
+    assert setup_module.TORCH_FLOOR == image_torch
     script = (ROOT / "scripts" / "torch_floor_check.sh").read_text()
     assert "ARG TORCH_VERSION=" in script and "ARG TORCHVISION_VERSION=" in script  # reads both from it
     assert re.findall(r"^ARG TORCHVISION_VERSION=\S+$", dockerfile, re.M)
     assert "scripts/torch_floor_check.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_installed_metadata_pins_the_torch_it_was_built_against():
+    """So a resolver cannot move torch under a built extension (torchvision pulls its own torch)."""
+    from importlib.metadata import requires, version
+
+    import torch
+
+    from clef_cuda import extension
+
+    assert f"torch=={version('torch')}" in requires("clef-cuda")
+    assert extension.built_with_torch() == torch.__version__
+
+
+def test_an_extension_built_against_another_torch_is_a_one_line_import_error():
+    """The import of the ops under another torch than the build's (here a torch reporting another version)
+    names both versions and the fix, instead of an undefined C++ symbol; clef-serve says it in one line."""
+    import subprocess
+    import sys
+
+    pretend = "import torch; torch.__version__ = '2.99.0+other'; "
+    result = subprocess.run(
+        [sys.executable, "-c", pretend + "import clef_cuda.ops"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "built against torch" in last and "running 2.99.0+other: reinstall" in last, result.stderr
+    serve = subprocess.run(
+        [sys.executable, "-c", pretend + "import sys; from app.cli import main; sys.exit(main(['--d', 'cpu']))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert serve.returncode == 2, serve.stderr
+    (line,) = serve.stderr.strip().splitlines()
+    assert line.startswith("clef-serve: error: clef_cuda._C was built against torch") and "reinstall" in line

@@ -1,0 +1,41 @@
+"""Loads the compiled extension clef_cuda._C, refusing one built against another torch.
+
+The extension links against libtorch's C++ symbols, which change between torch versions: a `pip install`
+that let the resolver move torch after the build (torchvision pulls its own torch) used to end in an
+undefined-symbol ImportError naming a mangled C++ function. The build records the torch it compiled
+against (clef_cuda/BUILT_WITH_TORCH, written by setup.py; the package metadata pins it too), and a
+mismatch is a one-line ImportError saying what to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BUILT_WITH = Path(__file__).resolve().parent / "BUILT_WITH_TORCH"
+
+
+class ExtensionMismatchError(ImportError):
+    """clef_cuda._C was built against another torch than the one running."""
+
+
+def built_with_torch() -> str | None:
+    """The torch version the extension was built against (None: no build record, e.g. a bare checkout)."""
+    try:
+        return BUILT_WITH.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def load():
+    """clef_cuda._C, after checking it was built against the running torch."""
+    import torch
+
+    built, running = built_with_torch(), torch.__version__
+    if built is not None and built != running:
+        raise ExtensionMismatchError(
+            f"clef_cuda._C was built against torch {built}, running {running}: reinstall clef-cuda against this "
+            "torch (pip install --no-build-isolation --force-reinstall --no-deps .)"
+        )
+    from clef_cuda import _C
+
+    return _C
