@@ -7,6 +7,10 @@ which a GPU's time is estimated. Table last.
 
     python benchmarks/selfcheck_cost.py                  # CPU, fp32
     python benchmarks/selfcheck_cost.py --device cuda --dtype f16
+    python benchmarks/selfcheck_cost.py --device cuda --dtype f16 --quantize int8 --only-flash
+
+Exits 1 when a self-check fails (scripts/gpu_check.sh gates on it: at clef-flash's shapes the attention
+check runs the tensor-core kernel at head dim 256, which clef-tiny's head dim 32 never reaches).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from clef_cuda import Decider  # noqa: E402
 from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, TrunkConfig  # noqa: E402
 from clef_cuda.model.default_model import default_release  # noqa: E402
+from clef_cuda.model.quantize import is_quantized_name, quantize_int8  # noqa: E402
 from clef_cuda.model.trunk import Trunk  # noqa: E402
 from clef_cuda.model.weights import serving_dtype_for, trunk_shapes  # noqa: E402
 from clef_cuda.serving.selfcheck import LAYER_STEPS, run_selfcheck  # noqa: E402
@@ -53,12 +58,13 @@ FLASH_LAYERS = TrunkConfig(
 V100_GEMM_FLOPS, V100_BANDWIDTH = 100e12, 790e9
 
 
-def random_trunk(config: TrunkConfig, device, dtype) -> Trunk:
+def random_trunk(config: TrunkConfig, device, dtype, quantize: str = "none") -> Trunk:
+    """Random weights at `config`'s shapes; with quantize="int8" as the loader would store them."""
     generator = torch.Generator().manual_seed(0)
-    weights = {
-        name: (torch.randn(shape, generator=generator) * 0.02).to(device, serving_dtype_for(name, dtype))
-        for name, shape in trunk_shapes(config).items()
-    }
+    weights = {}
+    for name, shape in trunk_shapes(config).items():
+        tensor = (torch.randn(shape, generator=generator) * 0.02).to(device, serving_dtype_for(name, dtype))
+        weights[name] = quantize_int8(tensor, dtype) if quantize == "int8" and is_quantized_name(name) else tensor
     return Trunk(config, weights, dtype)
 
 
@@ -86,21 +92,25 @@ def timed(trunk: Trunk, block_size: int, repeats: int) -> tuple[float, float, in
     return first.seconds, statistics.median(times), len(report.checks), first.passed and report.passed
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="f32")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none", help="int8 weights (W8A16)")
+    parser.add_argument("--only-flash", action="store_true", help="only the clef-flash layer shapes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype, q = torch.device(args.device), DTYPES[args.dtype], args.quantize
     from releases import mid_release
 
-    cases = {
-        "clef-tiny (embedded)": lambda: Decider.from_release(default_release(), device, dtype, progress=False).trunk,
-        "mid (tests/releases.py)": lambda: Decider.from_release(mid_release(), device, dtype, progress=False).trunk,
-        "clef-flash layer shapes": lambda: random_trunk(FLASH_LAYERS, device, dtype),
-    }
+    def release(path):
+        return lambda: Decider.from_release(path, device, dtype, progress=False, quantize=q).trunk
+
+    cases = {} if args.only_flash else {"clef-tiny (embedded)": release(default_release())}
+    if not args.only_flash:
+        cases["mid (tests/releases.py)"] = release(mid_release())
+    cases["clef-flash layer shapes"] = lambda: random_trunk(FLASH_LAYERS, device, dtype, q)
     rows = []
     for name, build in cases.items():
         trunk = build()
@@ -111,7 +121,8 @@ def main() -> None:
 
     flops, weight_bytes = mixer_work(FLASH_LAYERS, torch.float16)
     device_ms = 1e3 * (flops / V100_GEMM_FLOPS + weight_bytes / V100_BANDWIDTH)
-    print(f"\nself-check cost on {args.device} ({torch.get_num_threads()} threads), {args.dtype}")
+    weights = " with int8 weights" if q == "int8" else ""
+    print(f"\nself-check cost on {args.device} ({torch.get_num_threads()} threads), {args.dtype}{weights}")
     print(
         f"{'model':<26} {'checks':>6} {'passed':>6} {'first run s':>11} {'median s':>9} "
         f"{'layer GFLOP':>11} {'weights MB':>10}"
@@ -128,7 +139,11 @@ def main() -> None:
         "The rest is launches (a few hundred, the references' Python loops) and the first use of cuBLAS/cuDNN "
         "on the device: about a second in all, dominated by that first use."
     )
+    failed = [name for name, _, passed, *_ in rows if not passed]
+    if failed:
+        print(f"\nSELF-CHECK FAILED: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,9 +3,11 @@
 # extension for the local arch; runs the op tests on the GPU first with CUDA_LAUNCH_BLOCKING=1 (a fault is
 # raised by the op that caused it) and then under compute-sanitizer (memcheck on the op tests, racecheck on
 # the tensor-core attention kernel's); runs the whole test suite (the CUDA backend joins every op test when
-# a GPU is present) and the on-device self-check in each dtype; then times the ops ($OUT/gpu_table.md) and
+# a GPU is present) and the on-device self-check in each dtype, with int8 weights, and at clef-flash's
+# shapes (gating: the tensor-core kernel at head dim 256); then times the ops ($OUT/gpu_table.md) and
 # attention prefill, our WMMA and SIMT kernels against SDPA's backends plus one trunk step split by op
-# ($OUT/attention_table.md, printed last).
+# ($OUT/attention_table.md) and at 16k with one record ($OUT/attention_16k.md, printed last), and runs one
+# Nsight Compute pass on the WMMA kernel when ncu exists ($OUT/ncu_wmma.txt).
 #
 # The device machine has no network. Prepare its Python packages here first (they travel with the tree):
 #   pip download -d .cache/wheelhouse --only-binary=:all: --python-version 3.12 \
@@ -72,13 +74,24 @@ $PY -m pytest tests -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -1
 tests_status=${PIPESTATUS[0]}
 set -e
 
-step "the on-device self-check on this GPU (the embedded model, each serving dtype; then its cost at clef-flash shapes)"
+step "the on-device self-check on this GPU: the embedded model in each dtype and with int8 weights; then at clef-flash's shapes (the tensor-core attention at head dim 256)"
 selfcheck_status=0
 for dtype in f16 bf16 f32; do
   $PY -m app --selfcheck-only --d 0 --dtype "$dtype" --log-level warning 2>&1 | tee -a "$OUT/selfcheck.log" | tail -1 \
     || selfcheck_status=1
 done
-$PY benchmarks/selfcheck_cost.py --device cuda --dtype f16 2>&1 | tail -8 | tee -a "$OUT/selfcheck.log" || true
+$PY -m app --selfcheck-only --d 0 --dtype f16 --quantize int8 --log-level warning 2>&1 | tee -a "$OUT/selfcheck.log" \
+  | tail -1 || selfcheck_status=1
+# Random weights at clef-flash's real shapes, one layer of each kind: clef-tiny's head dim 32 never reaches the
+# tensor-core kernel, these do. Gating: a failure here fails the check.
+flash_dtypes="f16"
+$PY -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() < (8, 0))" && flash_dtypes="f16 bf16"
+for dtype in $flash_dtypes; do
+  $PY benchmarks/selfcheck_cost.py --device cuda --dtype "$dtype" --only-flash 2>&1 | tail -8 \
+    | tee -a "$OUT/selfcheck.log" || selfcheck_status=1
+done
+$PY benchmarks/selfcheck_cost.py --device cuda --dtype f16 --quantize int8 --only-flash 2>&1 | tail -8 \
+  | tee -a "$OUT/selfcheck.log" || selfcheck_status=1
 
 step "benchmarks: the ops"
 rm -f "$OUT/gpu_table.md" "$OUT/attention_table.md"
@@ -87,10 +100,27 @@ $PY benchmarks/kernel_table.py --device cuda --markdown "$OUT/gpu_table.md" 2>&1
 step "benchmarks: attention prefill (WMMA, SIMT, SDPA flash / mem-efficient / math) and a trunk step by op"
 $PY benchmarks/attention_table.py --device cuda --markdown "$OUT/attention_table.md" 2>&1 \
   | grep -v "^|" | grep -v "^###" || true
+step "benchmarks: attention at a 16k context, one record (the long-record case the split-context work targets)"
+$PY benchmarks/attention_table.py --device cuda --records 1 --contexts 16384 --no-trunk \
+  --markdown "$OUT/attention_16k.md" 2>&1 | grep -v "^|" | grep -v "^###" || true
+
+step "Nsight Compute: one pass over the tensor-core attention kernel at 16k, one record (when ncu exists)"
+ncu=$(command -v ncu || echo "$CUDA_HOME/bin/ncu")
+if [ -x "$ncu" ]; then
+  timeout 180 "$ncu" --kernel-name regex:paged_attention_wmma --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
+    $PY benchmarks/attention_table.py --device cuda --records 1 --contexts 16384 --no-trunk \
+    > "$OUT/ncu_wmma.txt" 2>&1 || echo "ncu exited $? (see $OUT/ncu_wmma.txt)"
+  grep -E "Duration|Throughput|Registers|Shared Memory|Achieved Occupancy|Block Limit" "$OUT/ncu_wmma.txt" | head -30 || true
+else
+  echo "ncu not found (looked on PATH and in $CUDA_HOME/bin): skipped"
+fi
 
 verdict() { [ "$1" = 0 ] && echo passed || { [ "$1" = skipped ] && echo skipped || echo "FAILED, see $2"; }; }
 step "done: op tests (blocking) $(verdict "$blocking_status" "$OUT/op_tests_blocking.log"); sanitizer $(verdict "$sanitizer_status" "$OUT/memcheck.log, racecheck.log"); tests $(verdict "$tests_status" "$OUT/tests.log"); self-check $(verdict "$selfcheck_status" "$OUT/selfcheck.log"); the tables:"
 cat "$OUT/gpu_table.md" 2>/dev/null || echo "(no ops table: see above)"
 echo
 cat "$OUT/attention_table.md" 2>/dev/null || echo "(no attention table: see above)"
+echo
+cat "$OUT/attention_16k.md" 2>/dev/null || echo "(no 16k attention table: see above)"
 [ "$blocking_status" = 0 ] && [ "$sanitizer_status" != 1 ] && [ "$tests_status" = 0 ] && [ "$selfcheck_status" = 0 ]
