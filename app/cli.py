@@ -16,7 +16,8 @@ from clef_cuda.request.encoding import CLIENT_SPECIAL_TOKENS
 
 EXIT_USAGE = 2
 EXIT_PLAN_DOES_NOT_FIT = 3  # --plan: the release does not fit the memory planned for
-SELFCHECK_MODES = ("enforce", "warn", "off")  # what a failed on-device self-check does (app.server)
+# What a failed on-device self-check (app.server) or shadow check (clef_cuda.serving.shadow) does.
+SELFCHECK_MODES = ("enforce", "warn", "off")
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
 
@@ -37,6 +38,32 @@ def _fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float | None:
+    """'off' -> None; '90s', '30m', '1h', '1d' or plain seconds -> seconds (positive)."""
+    text = text.strip().lower()
+    if text == "off":
+        return None
+    unit = text[-1:] if text[-1:] in _DURATION_UNITS else "s"
+    number = text[:-1] if text[-1:] in _DURATION_UNITS else text
+    try:
+        seconds = float(number) * _DURATION_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a duration (e.g. 1h, 30m, 90s) or 'off', got {text!r}") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +156,29 @@ def build_parser() -> argparse.ArgumentParser:
         default="enforce",
         help="the on-device kernel self-check before /ready: enforce (a failure keeps the server unready and "
         "refuses decisions), warn (serve anyway, loudly), off",
+    )
+    p.add_argument(
+        "--selfcheck-interval",
+        type=_duration,
+        default=None,
+        help="repeat the self-check this often while serving, when idle (e.g. 1h; default off), --selfcheck's mode",
+    )
+    p.add_argument(
+        "--shadow-rate",
+        type=_rate,
+        default=0.01,
+        help="fraction of answered records re-decided on the reference ops while idle, their answers compared "
+        "(1: every record; 0: none)",
+    )
+    p.add_argument(
+        "--shadow-mode",
+        choices=SELFCHECK_MODES,
+        default="enforce",
+        help="enforce: after --shadow-max-mismatches mismatches /ready and decisions turn 503 (/health stays 200); "
+        "warn: keep serving, log loudly; off",
+    )
+    p.add_argument(
+        "--shadow-max-mismatches", type=_positive_int, default=1, help="mismatches before enforce mode stops answering"
     )
     p.add_argument(
         "--selfcheck-only",
@@ -278,8 +328,12 @@ def make_adapters(args, decider):
 
 def engine_config(args):
     from clef_cuda.serving.engine import EngineConfig
+    from clef_cuda.serving.shadow import ShadowConfig
 
     return EngineConfig(
+        shadow=ShadowConfig(args.shadow_rate, args.shadow_mode, args.shadow_max_mismatches),
+        selfcheck_interval=args.selfcheck_interval if args.selfcheck != "off" else None,
+        selfcheck_mode=args.selfcheck,
         max_num_seqs=args.max_num_seqs,
         prefill_chunk_size=args.prefill_chunk_size,
         max_model_len=args.max_model_len,

@@ -116,6 +116,24 @@ class Metrics:
                 ),
             }
         self._selfcheck: tuple[Gauge, Gauge, Gauge, Gauge] | None = None  # made by observe_selfcheck
+        self._selfcheck_seen = None  # the last report exported (the engine's timed runs replace it)
+        self.shadow_checks = Counter(
+            "clef_shadow_checks",
+            "Answered records re-decided on the reference ops, by result: match, mismatch, or dropped (a sample "
+            "that met real work, or came while another waited)",
+            ["result"],
+            registry=r,
+        )
+        self.shadow_max_abs_error = Gauge(
+            "clef_shadow_max_abs_error", "Largest |p_served - p_reference| of any shadow-checked record", registry=r
+        )
+        self.shadow_tolerance = Gauge(
+            "clef_shadow_tolerance",
+            "The bound a shadow-checked record's |p_served - p_reference| must stay within",
+            registry=r,
+        )
+        for result in ("match", "mismatch", "dropped"):
+            self.shadow_checks.labels(result=result)
         self.adapters_loaded = Gauge("clef_adapters_loaded", "Fine-tuned variants being served", registry=r)
         self.adapter_slots = Gauge("clef_adapter_slots", "Variants the server can hold (--max-adapters)", registry=r)
         self.adapter_bytes = Gauge("clef_adapter_bytes", "Device memory of the loaded variants", registry=r)
@@ -164,6 +182,16 @@ class Metrics:
             return
         self.queue_depth.set(engine.queue_depth)
         self.running.set(engine.running)
+        shadow = engine.shadow.stats
+        for result in ("match", "mismatch", "dropped"):
+            self._advance(self.shadow_checks, getattr(shadow, result), result=result)
+        self.shadow_max_abs_error.set(shadow.max_abs_error)
+        self.shadow_tolerance.set(engine.shadow.tolerance)
+        if engine.selfcheck_report is not None and engine.selfcheck_report is not self._selfcheck_seen:
+            self._selfcheck_seen = engine.selfcheck_report  # a timed run: the same families as at start-up
+            self.observe_selfcheck(engine.selfcheck_report)
+        if engine.verification_failure:
+            self.ready.set(0)
         for part, nbytes in engine.weight_bytes.items():
             self.weight_bytes.labels(part=part).set(nbytes)
         self.weight_bytes.labels(part="adapters").set(engine.adapters.bytes() if engine.adapters is not None else 0)
@@ -198,12 +226,12 @@ class Metrics:
             self.aliases["usage"].set(usage)
             self.aliases["config"].labels(**config).set(1)
 
-    def _advance(self, counter: Counter, total: float) -> None:
-        """Export an engine total as a counter: add what it grew by since the last scrape."""
-        key = counter._name  # noqa: SLF001  (prometheus_client keeps the family name here)
+    def _advance(self, counter: Counter, total: float, **labels: str) -> None:
+        """Export an engine total as a counter (of one label set): add what it grew by since the last scrape."""
+        key = counter._name + repr(sorted(labels.items()))  # noqa: SLF001  (prometheus_client's family name)
         grown = total - self._totals.get(key, 0.0)
         if grown > 0:
-            counter.inc(grown)
+            (counter.labels(**labels) if labels else counter).inc(grown)
             self._totals[key] = total
 
     def _observe_lora(self, engine) -> None:

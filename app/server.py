@@ -211,6 +211,14 @@ def create_app(
             )
 
     def ready_engine() -> Engine:
+        failure = state.engine.verification_failure if state.engine is not None else None
+        if failure:  # a shadow mismatch or a timed self-check failed (enforce): out of rotation, kept alive
+            raise ClientError(
+                503,
+                "service_unavailable",
+                f"this server does not answer: {failure}",
+                {"Retry-After": RETRY_AFTER_SECONDS},
+            )
         if state.status != "ready" or state.engine is None:
             why = {
                 "loading": "the model is still loading",
@@ -292,7 +300,8 @@ def create_app(
                     if adapter is not None:
                         engine.adapters.release(adapter)
                     raise
-                ticket = engine.submit(body, record, prepared, adapter)  # the engine releases it from here on
+                # the engine releases the adapter from here on
+                ticket = engine.submit(body, record, prepared, adapter, request.state.request_id)
             except ImageError as error:
                 if error.status == 413:
                     raise ClientError(413, "request_too_large", str(error)) from error
@@ -430,15 +439,21 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:
         """{"status", "selfcheck": the report or null (off, or not run yet)}; 503 adds the error body."""
+        engine = state.engine
+        report = engine.selfcheck_report if engine is not None and engine.selfcheck_report else state.selfcheck
+        failure = engine.verification_failure if engine is not None else None
         body: dict[str, Any] = {
-            "status": state.status,
-            "selfcheck": state.selfcheck.to_json() if state.selfcheck is not None else None,
+            "status": "verification_failed" if failure else state.status,
+            "selfcheck": report.to_json() if report is not None else None,
         }
-        if state.status == "ready":
+        if engine is not None:
+            stats = engine.shadow.stats
+            body["shadow"] = {"match": stats.match, "mismatch": stats.mismatch, "dropped": stats.dropped}
+        if state.status == "ready" and not failure:
             return JSONResponse(body)
         body["detail"] = {
             "error_type": "service_unavailable",
-            "message": state.status if state.error is None else state.error,
+            "message": failure or (state.status if state.error is None else state.error),
         }
         return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_SECONDS})
 

@@ -93,6 +93,10 @@ done
 $PY benchmarks/selfcheck_cost.py --device cuda --dtype f16 --quantize int8 --only-flash 2>&1 | tail -8 \
   | tee -a "$OUT/selfcheck.log" || selfcheck_status=1
 
+step "shadow verification's healthy differences on this GPU (the tolerance is measured on the CPU so far)"
+$PY benchmarks/shadow_tolerance.py --device cuda --dtypes f16,bf16 --records 20 2>&1 | tail -12 \
+  | tee "$OUT/shadow_tolerance.txt" || true
+
 step "benchmarks: the ops"
 rm -f "$OUT/gpu_table.md" "$OUT/attention_table.md"
 $PY benchmarks/kernel_table.py --device cuda --markdown "$OUT/gpu_table.md" 2>&1 | grep -v "^|" | grep -v "^###" || true

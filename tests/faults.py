@@ -38,3 +38,21 @@ class OpFault:
 def with_fault(library, name: str, broken):
     """`library` (an op library) with op `name` broken."""
     return OpFault(name, broken, library)
+
+
+class LongContextFaultOps:
+    """clef_cuda.ops with paged_attention wrong only past `threshold` context tokens (its output scaled by
+    1.5 for every sequence of a call whose longest context is longer): a fault the start-up self-check,
+    whose contexts are short, cannot see, and shadow verification must."""
+
+    def __init__(self, threshold: int = 3000) -> None:
+        self.threshold = threshold
+
+    def paged_attention(self, query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, **kwargs):
+        out = ops.paged_attention(query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, **kwargs)
+        if int(context_lens.max()) > self.threshold:
+            out.mul_(1.5)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(ops, name)

@@ -36,7 +36,7 @@ def test_the_gpu_check_gates_on_the_self_check_at_clef_flash_shapes():
     script = (ROOT / "scripts" / "gpu_check.sh").read_text()
     flash = [line for line in script.splitlines() if "selfcheck_cost.py" in line]
     assert len(flash) == 2 and all("--only-flash" in line for line in flash), flash
-    body = script.split("selfcheck_cost.py", 1)[1].split('step "benchmarks: the ops"', 1)[0]
+    body = script.split("selfcheck_cost.py", 1)[1].split('step "shadow verification', 1)[0]
     assert "|| true" not in body and body.count("|| selfcheck_status=1") == 2
     assert "--quantize int8 --only-flash" in script and "--records 1 --contexts 16384 --no-trunk" in script
     assert 'if [ -x "$ncu" ]' in script and "--kernel-name regex:paged_attention_wmma" in script

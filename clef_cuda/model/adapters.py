@@ -449,6 +449,11 @@ class AdapterRegistry:
             adapter.users += 1
             return adapter
 
+    def hold(self, adapter: Adapter) -> None:
+        """One more holder of an adapter the caller already holds (a shadow sample of its request)."""
+        with self._lock:
+            adapter.users += 1
+
     def release(self, adapter: Adapter) -> None:
         with self._lock:
             adapter.users -= 1

@@ -40,6 +40,8 @@ from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_r
 from clef_cuda.request.images import PreparedImage
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
 from clef_cuda.serving.plan import CachePlan, plan_cache
+from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
+from clef_cuda.serving.shadow import ShadowConfig, ShadowSample, ShadowVerifier
 
 log = logging.getLogger("clef_cuda.serving.engine")
 
@@ -74,6 +76,12 @@ class EngineConfig:
     # cheaper to recompute.
     min_snapshot_tokens: int = 256
     vision_cache_bytes: int = 256 * 2**20  # vision-tower outputs kept by image digest
+    # Re-deciding a sample of answered records on the reference ops, when idle (clef_cuda.serving.shadow).
+    shadow: ShadowConfig = ShadowConfig()
+    # The start-up self-check again every this many seconds, when idle (None: only at start-up); with
+    # selfcheck_mode "enforce" a failure stops the server answering, "warn" logs it.
+    selfcheck_interval: float | None = None
+    selfcheck_mode: str = "enforce"
 
 
 @dataclass
@@ -85,6 +93,7 @@ class Ticket:
     record: EncodedRecord
     images: list[PreparedImage] = field(default_factory=list)  # the record's images, prepared (request order)
     adapter: Adapter | None = None  # the variant it asked for (held until the request settles), None: base
+    request_id: str = ""  # the HTTP layer's X-Request-Id (logs name it)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -196,6 +205,11 @@ class Engine:
         self.images = 0  # images of admitted records
         self.image_tokens = 0
         self.vision_seconds = 0.0  # time in the vision tower
+        # Verification while serving: shadow runs of answered records, and the self-check on a timer.
+        self.shadow = ShadowVerifier(config.shadow, decider.trunk.dtype, self._release)
+        self.selfcheck_report: SelfCheckReport | None = None  # the last timed run's (None: none yet)
+        self.selfcheck_failure: str | None = None
+        self._next_selfcheck: float | None = None
 
     # ---- submission (any thread) ------------------------------------------------------------------
     def encode(self, request: dict[str, Any], images: list[bytes] = ()) -> tuple[EncodedRecord, list[PreparedImage]]:
@@ -228,10 +242,11 @@ class Engine:
         record: EncodedRecord | None = None,
         images: list[PreparedImage] = (),
         adapter: Adapter | None = None,
+        request_id: str = "",
     ) -> Ticket:
         """Queue a record. `adapter`: a variant the caller acquired from self.adapters (the engine releases
         it when the request settles). Without a record, the request is encoded here and its `model` may
-        name a variant."""
+        name a variant. `request_id` is what the logs call it."""
         if record is None:
             if adapter is None and self.adapters is not None:
                 adapter = self.adapters.acquire(request.get("model"))
@@ -240,7 +255,7 @@ class Engine:
             except BaseException:
                 self._release(adapter)
                 raise
-        ticket = Ticket(next(self._ids), concurrent.futures.Future(), record, list(images), adapter)
+        ticket = Ticket(next(self._ids), concurrent.futures.Future(), record, list(images), adapter, request_id)
         with self._lock:
             if not self._accepting or len(self._queue) >= self.config.max_queue:
                 self._release(adapter)
@@ -306,6 +321,12 @@ class Engine:
             waiting = {ticket.adapter.name for ticket, _ in self._queue if ticket.adapter is not None}
         return sorted(running), sorted(waiting)
 
+    @property
+    def verification_failure(self) -> str | None:
+        """Why this engine must not answer any more (enforce mode: a shadow mismatch, or a failed timed
+        self-check), else None. The HTTP layer turns /ready and decisions to 503 with it."""
+        return self.shadow.failure or self.selfcheck_failure
+
     def state_slots_in_use(self) -> int:
         return (self.plan.running_slots - self.running_slots.available) + (
             self.plan.snapshot_slots - self.snapshot_slots.available
@@ -313,6 +334,8 @@ class Engine:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.config.selfcheck_interval:
+            self._next_selfcheck = time.monotonic() + self.config.selfcheck_interval
         self._thread = threading.Thread(target=self._loop, name="clef-engine", daemon=True)
         self._thread.start()
 
@@ -336,10 +359,18 @@ class Engine:
         while True:
             with self._lock:
                 while not self._queue and not self._running and not self._stop and not self._forget:
-                    self._lock.wait(timeout=1.0)
+                    if self._idle_work():
+                        break
+                    self._lock.wait(timeout=self._idle_wait())
                 if self._stop and not self._queue and not self._running:
+                    self.shadow.drop_in_progress()
                     return
+                busy = bool(self._queue or self._running)
             try:
+                if not busy:  # the idle lane: a timed self-check, else one chunk of a shadow run
+                    self._idle_turn()
+                    continue
+                self.shadow.drop_in_progress()  # a sample never waits behind, or delays, real work
                 self._drop_forgotten()
                 self._drop_cancelled()
                 self._admit()
@@ -352,6 +383,42 @@ class Engine:
                 log.exception("engine step failed")
                 for seq in list(self._running):
                     self._finish(seq, error=error)
+
+    # ---- the idle lane (engine thread) ----------------------------------------------------------------
+    def _selfcheck_due(self) -> bool:
+        return self._next_selfcheck is not None and time.monotonic() >= self._next_selfcheck
+
+    def _idle_work(self) -> bool:
+        return self.shadow.has_work or self._selfcheck_due()
+
+    def _idle_wait(self) -> float:
+        if self._next_selfcheck is None:
+            return 1.0
+        return max(0.0, min(1.0, self._next_selfcheck - time.monotonic()))
+
+    def _idle_turn(self) -> None:
+        if self._selfcheck_due():
+            self._timed_selfcheck()
+            return
+        try:
+            self.shadow.step(self.decider)
+        except Exception:  # the reference run itself failed: not a verdict on the kernels; drop it
+            log.exception("a shadow run failed")
+            self.shadow.drop_in_progress()
+
+    def _timed_selfcheck(self) -> None:
+        report = run_selfcheck(self.decider.trunk, block_size=self.config.block_size)
+        self.selfcheck_report = report
+        self._next_selfcheck = time.monotonic() + self.config.selfcheck_interval
+        if report.passed:
+            log.info("timed on-device kernel self-check %s", report.summary())
+            return
+        banner = "!" * 100
+        log.error("%s\ntimed on-device kernel self-check %s\n%s\n%s", banner, report.summary(), report.table(), banner)
+        if self.config.selfcheck_mode == "enforce":
+            self.selfcheck_failure = f"the on-device kernel self-check {report.summary()}"
+        else:
+            log.error("--selfcheck warn: SERVING ANYWAY on kernels that failed their self-check; answers may be wrong")
 
     def _drop_forgotten(self) -> None:
         with self._lock:
@@ -593,24 +660,44 @@ class Engine:
     def _answer_into_future(self, seq: _Sequence) -> None:
         try:
             with torch.inference_mode():
-                body = self._answer(seq)
+                body, probabilities = self._answer(seq)
         except Exception as error:  # a server fault: the request fails, the server goes on
             log.exception("answering a record failed")
             self.failed += 1
             self._settle(seq.ticket, error=error)
             return
+        ticket = seq.ticket
+        sample = None
+        if self.shadow.wants():  # copied before the answer goes out; the answer is never touched again
+            if ticket.adapter is not None:
+                self.adapters.hold(ticket.adapter)  # the sample's own hold: _settle lets go of the request's
+            sample = ShadowSample(
+                ticket.request_id or f"#{ticket.id}",
+                seq.request,
+                ticket.record,
+                list(ticket.images),
+                ticket.adapter,
+                seq.head,
+                probabilities,
+            )
         self.completed += 1
-        self._settle(seq.ticket, body)
+        self._settle(ticket, body)
+        if sample is not None:
+            self.shadow.offer(sample)
+            with self._lock:
+                self._lock.notify()  # the scheduler may be idle: it runs the sample
 
-    def _answer(self, seq: _Sequence) -> dict[str, Any]:
+    def _answer(self, seq: _Sequence) -> tuple[dict[str, Any], list[list[float]]]:
+        """The response body, and per question the probabilities it was answered from (encoded order)."""
         head = seq.head
-        probabilities = head.probabilities(head.logits(seq.inputs, seq.layout), seq.layout).tolist()
-        result, cursor = {}, 0
+        flat = head.probabilities(head.logits(seq.inputs, seq.layout), seq.layout).tolist()
+        result, probabilities, cursor = {}, [], 0
         for question in seq.record.questions:
             n = len(question.option_ids)
+            probabilities.append(flat[cursor : cursor + n])
             result[question.question_id] = answers.answer(
                 seq.request["questions"][question.question_id],
-                dict(zip(question.option_ids, probabilities[cursor : cursor + n], strict=True)),
+                dict(zip(question.option_ids, probabilities[-1], strict=True)),
                 self.config.confidence,
             )
             cursor += n
@@ -623,4 +710,4 @@ class Engine:
             "total": round((now - seq.ticket.submitted) * 1e3, 3),
         }
         body.update(seq.record.truncation_fields())
-        return body
+        return body, probabilities

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""The healthy differences shadow verification must tolerate: records served by the engine (the fast ops,
+batched, chunked, from the prefix cache) against the same records re-decided on the reference ops
+(clef_cuda.serving.shadow), per release and serving dtype. The tolerance (SHADOW_TOLERANCE) is the worst
+of these times SHADOW_MARGIN. Table last.
+
+    python benchmarks/shadow_tolerance.py --records 60
+    python benchmarks/shadow_tolerance.py --device cuda --dtypes f16,bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "tests"))
+sys.path.append(str(ROOT))
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def requests_for(release: str, count: int) -> list[dict]:
+    if release == "clef-tiny":
+        from training import evaluate
+
+        return [e.request | {"model": "clef-flash"} for e in evaluate.heldout(count)]
+    from random_requests import random_request
+
+    rng = random.Random(7)
+    return [random_request(rng, null_score_levels=False, state_words=(5, 400)) for _ in range(count)]
+
+
+def measure(release_path: Path, requests: list[dict], device: str, dtype: torch.dtype) -> list[float]:
+    """max |p_served - p_reference| of each record (every record shadowed, one at a time)."""
+    from clef_cuda import Decider
+    from clef_cuda.serving.engine import Engine, EngineConfig
+    from clef_cuda.serving.shadow import ShadowConfig
+
+    decider = Decider.from_release(release_path, device=device, dtype=dtype, progress=False)
+    config = EngineConfig(max_model_len=8192, kv_fraction=0.05, shadow=ShadowConfig(rate=1.0, mode="warn"))
+    engine = Engine(decider, config)
+    engine.start()
+    try:
+        stats = engine.shadow.stats
+        for done, request in enumerate(requests, 1):
+            engine.decide(request, timeout=300)
+            deadline = time.monotonic() + 300  # its sample is offered just after the answer: wait for its verdict
+            while stats.match + stats.mismatch + stats.dropped < done and time.monotonic() < deadline:
+                time.sleep(0.002)
+        assert stats.dropped == 0, stats
+        return list(stats.errors)
+    finally:
+        engine.stop(30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtypes", default="f32,f16,bf16")
+    parser.add_argument("--records", type=int, default=60)
+    args = parser.parse_args()
+    from releases import mid_release, tiny_release
+
+    from clef_cuda.model.default_model import default_release
+    from clef_cuda.serving.shadow import SHADOW_FLOOR, SHADOW_MARGIN, SHADOW_TOLERANCE
+
+    releases = {"upstream-tiny": tiny_release, "mid": mid_release, "clef-tiny": default_release}
+    rows = []
+    for name, build in releases.items():
+        requests = requests_for(name, args.records)
+        for dtype_name in args.dtypes.split(","):
+            errors = measure(build(), requests, args.device, DTYPES[dtype_name])
+            rows.append((name, dtype_name, len(errors), max(errors), statistics.median(errors)))
+    print(f"\nshadow verification: served (fast ops) vs reference ops, {args.device}, every record shadowed")
+    print(f"{'release':14s} {'dtype':5s} {'records':>7s} {'worst |dp|':>11s} {'median':>9s} {'tolerance':>10s}")
+    for name, dtype_name, count, worst, median in rows:
+        tolerance = SHADOW_TOLERANCE[DTYPES[dtype_name]]
+        print(f"{name:14s} {dtype_name:5s} {count:>7d} {worst:>11.2e} {median:>9.2e} {tolerance:>10.2e}")
+    for dtype_name in args.dtypes.split(","):
+        worst = max(r[3] for r in rows if r[1] == dtype_name)
+        margin = SHADOW_MARGIN * worst
+        print(f"worst {dtype_name}: {worst:.2e}; x{SHADOW_MARGIN:g} = {margin:.2e}, floor {SHADOW_FLOOR:g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
