@@ -404,3 +404,19 @@ def test_request_ids_are_echoed_or_made(client):
     forged = post(client, OK, headers=AUTH | {"X-Request-Id": "x status=200 injected"})  # a forged log line
     assert forged.headers["x-request-id"] != "x status=200 injected"
     assert post(client, OK | {"model": "gpt-5"}).headers["x-request-id"]  # errors carry one too
+
+
+def test_a_second_start_never_adds_a_second_scheduler(decider):
+    """One thread owns the model. schemathesis' ASGI client runs the app's lifespan again, which starts the
+    engine again: with two schedulers stepping the same sequences a record was prefilled twice and its
+    head overran (a 5xx the improved fuzz found)."""
+    import threading
+
+    engine = make_engine(decider)
+    engine.start()
+    try:
+        engine.start()
+        assert [t.name for t in threading.enumerate()].count("clef-engine") == 1
+        assert engine.decide(random_request(random.Random(1)), timeout=60)["answers"]
+    finally:
+        engine.stop(10)

@@ -142,17 +142,22 @@ def _tests_on_path() -> None:
 def serving(release: Path, ops=None, prefix_cache: bool = True, quantize: str = "none"):
     """A live clef-serve app on 127.0.0.1 over `release` (with `ops` swapped in for fault injection). A
     fault makes the on-device self-check fail, which would keep the server unready; to measure what the
-    fault would have answered, that server runs with --selfcheck warn (as the seed had no check at all)."""
+    fault would have answered, that server runs with --selfcheck warn and shadow verification off (as the
+    seed had no check at all)."""
     _tests_on_path()
     from live import live_server
 
     from app.server import ServerSettings
     from clef_cuda import Decider
     from clef_cuda.serving.engine import Engine, EngineConfig
+    from clef_cuda.serving.shadow import ShadowConfig
 
     decider = Decider.from_release(release, device="cpu", progress=False, ops=ops, quantize=quantize)
     # Snapshots from 32 saved tokens on: held-out states are short, and the second pass should find them.
-    engine = Engine(decider, EngineConfig(kv_fraction=0.05, prefix_cache=prefix_cache, min_snapshot_tokens=32))
+    # With a fault, shadow verification is off too: it would (rightly) stop the server at its first sample.
+    shadow = ShadowConfig(mode="off") if ops is not None else ShadowConfig()
+    config = EngineConfig(kv_fraction=0.05, prefix_cache=prefix_cache, min_snapshot_tokens=32, shadow=shadow)
+    engine = Engine(decider, config)
     settings = ServerSettings(served_model_name="clef-tiny", selfcheck="enforce" if ops is None else "warn")
     with live_server(engine, settings) as (url, _):
         yield url, decider

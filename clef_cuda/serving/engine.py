@@ -334,6 +334,10 @@ class Engine:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the scheduler thread; a second call is a no-op (one thread owns the model: two would step the
+        same sequences; an ASGI client that runs the app's lifespan again calls this again)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
         if self.config.selfcheck_interval:
             self._next_selfcheck = time.monotonic() + self.config.selfcheck_interval
         self._thread = threading.Thread(target=self._loop, name="clef-engine", daemon=True)
