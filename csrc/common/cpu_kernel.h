@@ -10,7 +10,8 @@
 // one wheel runs everywhere, still vectorises, and an AVX-512 machine can run (and test) the AVX2 code.
 // CLEF_CPU_VARIANTS defines name_avx512, name_avx2 and name_baseline from one body (a call `impl args`
 // that inlines: GCC's target attributes do not apply to templates, so impl is a template the three
-// non-template variants instantiate) and name_for(isa), which returns the one to call.
+// non-template variants instantiate) and name_for(isa), which returns the one to call;
+// CLEF_CPU_VARIANTS_EACH takes one body per variant (e.g. vectors of the variant's register width).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(CLEF_NO_CPU_VARIANTS)
 #define CLEF_CPU_HAS_VARIANTS 1
 #define CLEF_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
@@ -22,14 +23,15 @@
 #endif
 #define CLEF_INLINE inline __attribute__((always_inline))
 
-#define CLEF_CPU_VARIANTS(name, params, args, impl)                                 \
-  static CLEF_TARGET_AVX512 void name##_avx512 params { impl args; }                \
-  static CLEF_TARGET_AVX2 void name##_avx2 params { impl args; }                    \
-  static void name##_baseline params { impl args; }                                 \
+#define CLEF_CPU_VARIANTS_EACH(name, params, args, impl512, impl2, impl_base)     \
+  static CLEF_TARGET_AVX512 void name##_avx512 params { impl512 args; }             \
+  static CLEF_TARGET_AVX2 void name##_avx2 params { impl2 args; }                   \
+  static void name##_baseline params { impl_base args; }                            \
   inline auto name##_for(::clef::CpuIsa isa) {                                      \
     return isa == ::clef::CpuIsa::Avx512 ? name##_avx512                            \
            : isa == ::clef::CpuIsa::Avx2 ? name##_avx2 : name##_baseline;           \
   }
+#define CLEF_CPU_VARIANTS(name, params, args, impl) CLEF_CPU_VARIANTS_EACH(name, params, args, impl, impl, impl)
 
 namespace clef {
 
@@ -105,30 +107,34 @@ CLEF_INLINE float exp_vec(float x) {
 
 CLEF_INLINE float silu_vec(float x) { return x / (1.0f + exp_vec(-x)); }
 
-// exp_vec on 16 lanes, branch-free: the same reduction and polynomial, rounding n to nearest with the
-// 1.5 * 2^23 trick (exact for |x log2 e| < 2^22, which the clamp guarantees). Below -88 the clamp gives
-// n = -127, an all-zero scale, so the result is exactly 0 without a compare-and-select (the select
-// version compiled to per-lane scalar compares inside the cloned kernels).
+// exp_vec on a vector of any width, branch-free: the same reduction and polynomial, rounding n to nearest
+// with the 1.5 * 2^23 trick (exact for |x log2 e| < 2^22, which the clamp guarantees). Below -88 the clamp
+// gives n = -127, an all-zero scale, so the result is exactly 0 without a compare-and-select (the select
+// version compiled to per-lane scalar compares inside the cloned kernels). V: a float vector, VI: the
+// int32 vector of the same lanes.
 typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
 CLEF_INLINE vf16 broadcast(float x) { return vf16{} + x; }
 CLEF_INLINE vf16 vmax(vf16 a, vf16 b) { return a > b ? a : b; }
 CLEF_INLINE vf16 vmin(vf16 a, vf16 b) { return a < b ? a : b; }
-CLEF_INLINE vf16 exp_vf16(vf16 x) {
-  const vf16 magic = broadcast(12582912.0f);
-  x = vmin(vmax(x, broadcast(-88.0f)), broadcast(88.0f));
-  const vf16 n = (x * 1.44269504088896341f + magic) - magic;
-  vf16 r = x - n * 0.693359375f;
+template <typename V, typename VI>
+CLEF_INLINE V exp_v(V x) {
+  const V magic = V{} + 12582912.0f;
+  x = x < V{} - 88.0f ? V{} - 88.0f : x;
+  x = x > V{} + 88.0f ? V{} + 88.0f : x;
+  const V n = (x * 1.44269504088896341f + magic) - magic;
+  V r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vf16 poly = broadcast(1.9875691500e-4f);
+  V poly = V{} + 1.9875691500e-4f;
   poly = poly * r + 1.3981999507e-3f;
   poly = poly * r + 8.3334519073e-3f;
   poly = poly * r + 4.1665795894e-2f;
   poly = poly * r + 1.6666665459e-1f;
   poly = poly * r + 5.0000001201e-1f;
-  const vf16 y = poly * r * r + r + 1.0f;
-  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;  // n = -127: 0.0f
-  return y * reinterpret_cast<const vf16&>(bits);
+  const V y = poly * r * r + r + 1.0f;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;  // n = -127: 0.0f
+  return y * reinterpret_cast<const V&>(bits);
 }
+CLEF_INLINE vf16 exp_vf16(vf16 x) { return exp_v<vf16, vi16>(x); }
 CLEF_INLINE vf16 silu_vf16(vf16 x) { return x / (1.0f + exp_vf16(-x)); }
 
 // 16 values of any storage type to/from fp32 lanes (the conversion loops vectorise: F16C, shifts).

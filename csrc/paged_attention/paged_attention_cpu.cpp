@@ -26,46 +26,67 @@ constexpr int kRowBlock = 4;  // rows are padded to a multiple of this
 
 CLEF_INLINE int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-// C[MR][16*NV] += A[MR][K] * B[K][16*NV]; row strides lda, ldb, ldc (floats). MR * NV accumulators live in
+// Vectors of L floats, one register of the variant: L = 16 for AVX-512, 8 for AVX2, 4 for baseline SSE2.
+// Generic 16-float vectors compiled for AVX2 went through the stack lane by lane in the masked softmax
+// (perf: vmovq/vpinsrq on every element; 10x slower than AVX-512, slower than SSE2), and 8-float ones
+// compiled for SSE2 did the same, so each variant is written in vectors its registers hold.
+template <int L>
+struct Lanes {
+  typedef float f __attribute__((vector_size(4 * L), aligned(4)));
+  typedef int32_t i __attribute__((vector_size(4 * L), aligned(4)));
+};
+
+template <int L>
+CLEF_INLINE typename Lanes<L>::f load_v(const float* p) {
+  return *reinterpret_cast<const typename Lanes<L>::f*>(p);
+}
+template <int L>
+CLEF_INLINE void store_v(float* p, typename Lanes<L>::f v) {
+  *reinterpret_cast<typename Lanes<L>::f*>(p) = v;
+}
+
+// C[MR][L*NV] += A[MR][K] * B[K][L*NV]; row strides lda, ldb, ldc (floats). MR * NV accumulators live in
 // registers; each step loads NV vectors of B and broadcasts MR values of A.
-template <int MR, int NV>
+template <int L, int MR, int NV>
 CLEF_INLINE void micro_kernel(const float* A, int64_t lda, const float* B, int64_t ldb, int K, float* C, int64_t ldc) {
-  vf16 acc[MR][NV];
+  typename Lanes<L>::f acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = load_vf16(C + r * ldc + kLanes * v);
+    for (int v = 0; v < NV; ++v) acc[r][v] = load_v<L>(C + r * ldc + L * v);
   for (int k = 0; k < K; ++k) {
-    vf16 b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = load_vf16(B + k * ldb + kLanes * v);
+    typename Lanes<L>::f b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load_v<L>(B + k * ldb + L * v);
     for (int r = 0; r < MR; ++r) {
       const float a = A[r * lda + k];
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) store_vf16(C + r * ldc + kLanes * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) store_v<L>(C + r * ldc + L * v, acc[r][v]);
 }
 
 // C[rows][cols] += A[rows][K] * B[K][cols]; rows % 4 == 0, cols % 16 == 0 (callers pad with zeros).
-// With AVX-512, 8 x 32 blocks: 16 accumulators, 2 loads and 8 broadcasts per 16 FMAs. Otherwise 4 x 16
-// blocks, whose 4 accumulators and 1 load fit 10 of AVX2's 16 registers (8 x 32 would need 36: spills).
+// L = 16 (AVX-512): 8 x 32 blocks, 16 accumulators of its 32 registers, 2 loads and 8 broadcasts per 16 FMAs.
+// L = 8 (AVX2): 4 x 16 blocks, 8 accumulators, 2 loads and a broadcast: 11 of its 16 registers; L = 4
+// (baseline SSE2) the same shape in 4 x 8 blocks.
 // The blocking changes no result: every element of C sums over k in the same order either way.
+template <int L>
 CLEF_INLINE void gemm_acc(const float* A, int64_t lda, const float* B, int64_t ldb, int K, float* C, int64_t ldc, int rows,
-                          int cols, bool wide_registers) {
-  if (!wide_registers) {
+                          int cols) {
+  if constexpr (L < 16) {
     for (int r = 0; r < rows; r += kRowBlock)
-      for (int c = 0; c < cols; c += kLanes) micro_kernel<4, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-    return;
-  }
-  int r = 0;
-  for (; r + 8 <= rows; r += 8) {
-    int c = 0;
-    for (; c + 2 * kLanes <= cols; c += 2 * kLanes) micro_kernel<8, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-    for (; c < cols; c += kLanes) micro_kernel<8, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-  }
-  for (; r < rows; r += kRowBlock) {
-    int c = 0;
-    for (; c + 2 * kLanes <= cols; c += 2 * kLanes) micro_kernel<4, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-    for (; c < cols; c += kLanes) micro_kernel<4, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+      for (int c = 0; c < cols; c += 2 * L) micro_kernel<L, 4, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+  } else {
+    int r = 0;
+    for (; r + 8 <= rows; r += 8) {
+      int c = 0;
+      for (; c + 32 <= cols; c += 32) micro_kernel<16, 8, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+      for (; c < cols; c += 16) micro_kernel<16, 8, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+    }
+    for (; r < rows; r += kRowBlock) {
+      int c = 0;
+      for (; c + 32 <= cols; c += 32) micro_kernel<16, 4, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+      for (; c < cols; c += 16) micro_kernel<16, 4, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
+    }
   }
 }
 
@@ -123,39 +144,30 @@ CLEF_INLINE void gather_tile(const PagedAttentionParams& p, int b, int kv_head, 
 }
 
 struct AttnScratch {
-  bool wide_registers = false;  // has_512bit_registers for the variant that runs: the gemm_acc block
   std::vector<float> q, scores, out, m, l, tile;
   std::vector<int32_t> tile_ok;
   std::vector<int> pos;
 };
 
-// Horizontal max / sum of 16 lanes by a shuffle tree (4 steps instead of 15 dependent scalar ops). The
-// masks are literals so the shuffles compile to immediate permutes.
-template <int WIDTH>
-CLEF_INLINE vf16 swap_halves(vf16 v) {
-  if constexpr (WIDTH == 8) return __builtin_shuffle(v, vi16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  if constexpr (WIDTH == 4) return __builtin_shuffle(v, vi16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  if constexpr (WIDTH == 2) return __builtin_shuffle(v, vi16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  return __builtin_shuffle(v, vi16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+// Horizontal max / sum of a vector's lanes (once per row and tile: not on the hot path).
+template <typename V, int L>
+CLEF_INLINE float hmax(V v) {
+  float m = v[0];
+  for (int i = 1; i < L; ++i) m = m > v[i] ? m : v[i];
+  return m;
 }
-CLEF_INLINE float hmax(vf16 v) {
-  v = vmax(v, swap_halves<8>(v));
-  v = vmax(v, swap_halves<4>(v));
-  v = vmax(v, swap_halves<2>(v));
-  v = vmax(v, swap_halves<1>(v));
-  return v[0];
-}
-CLEF_INLINE float hsum(vf16 v) {
-  v += swap_halves<8>(v);
-  v += swap_halves<4>(v);
-  v += swap_halves<2>(v);
-  v += swap_halves<1>(v);
-  return v[0];
+template <typename V, int L>
+CLEF_INLINE float hsum(V v) {
+  float s = 0.0f;
+  for (int i = 0; i < L; ++i) s += v[i];
+  return s;
 }
 
-template <typename T>
+template <typename T, int L>
 CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_head, int q0, int block_tokens,
                                  const GatheredContexts& g, AttnScratch& w) {
+  using V = typename Lanes<L>::f;
+  using VI = typename Lanes<L>::i;
   const AttnSeq s = attn_sequence(p, b);
   const int group = p.num_q_heads / p.num_kv_heads;
   const int tokens = std::min(block_tokens, s.q_len - q0);
@@ -181,8 +193,8 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
     for (int d = 0; d < D; ++d) w.q[static_cast<size_t>(r) * Dp + d] = to_f32(src[d]) * p.scale;
     w.pos[r] = attn_query_position(s, qi);
   }
-  vi16 lane;
-  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+  VI lane;
+  for (int i = 0; i < L; ++i) lane[i] = i;
   const int kv_end = attn_query_position(s, q0 + tokens - 1) + 1;
   for (int k0 = 0; k0 < kv_end; k0 += keys) {
     const int tile = k0 / keys;
@@ -201,35 +213,37 @@ CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_he
     }
     const float* vt = kt + static_cast<int64_t>(Dp) * keys;
     std::fill(w.scores.begin(), w.scores.end(), 0.0f);
-    gemm_acc(w.q.data(), Dp, kt, keys, Dp, w.scores.data(), keys, rows_p, keys, w.wide_registers);
+    gemm_acc<L>(w.q.data(), Dp, kt, keys, Dp, w.scores.data(), keys, rows_p, keys);
     for (int r = 0; r < rows; ++r) {
       float* srow = w.scores.data() + static_cast<size_t>(r) * keys;
       const int last = w.pos[r] - k0;  // keys kk <= last are causal for this row
-      const int vectors = keys / kLanes;
-      const vf16 neg = broadcast(kNegInf);
-      vf16 masked[kMaxKeyTile / kLanes];
-      vi16 live[kMaxKeyTile / kLanes];
-      vf16 running = neg;
+      // Two passes over the row, in memory: dead keys (past the row's position, outside the cache) become
+      // kNegInf, whose exp is exactly 0; then exp and sum. (Keeping the row in registers between the passes
+      // needs keys / L vectors: more than AVX2 has.)
+      const int vectors = keys / L;
+      const V neg = V{} + kNegInf;
+      V running = neg;
       for (int c = 0; c < vectors; ++c) {
-        live[c] = ((lane + c * kLanes) <= last) & *reinterpret_cast<const vi16*>(ok + c * kLanes);
-        masked[c] = live[c] ? load_vf16(srow + c * kLanes) : neg;
-        running = masked[c] > running ? masked[c] : running;
+        const VI live = ((lane + c * L) <= last) & *reinterpret_cast<const VI*>(ok + c * L);
+        const V masked = live ? load_v<L>(srow + c * L) : neg;
+        store_v<L>(srow + c * L, masked);
+        running = masked > running ? masked : running;
       }
-      const SoftmaxStep step = softmax_step(w.m[r], hmax(running));
-      vf16 sum = {};
+      const SoftmaxStep step = softmax_step(w.m[r], hmax<V, L>(running));
+      V sum = {};
       for (int c = 0; c < vectors; ++c) {
-        const vf16 prob = live[c] ? exp_vf16(masked[c] - step.m) : vf16{};
-        store_vf16(srow + c * kLanes, prob);
+        const V prob = exp_v<V, VI>(load_v<L>(srow + c * L) - step.m);
+        store_v<L>(srow + c * L, prob);
         sum += prob;
       }
-      const float total = hsum(sum);
+      const float total = hsum<V, L>(sum);
       w.l[r] = w.l[r] * step.alpha + total;
       w.m[r] = step.m;
       float* orow = w.out.data() + static_cast<size_t>(r) * Dp;
       if (step.alpha != 1.0f)
         for (int d = 0; d < Dp; ++d) orow[d] *= step.alpha;
     }
-    gemm_acc(w.scores.data(), keys, vt, Dp, nk, w.out.data(), Dp, rows_p, Dp, w.wide_registers);
+    gemm_acc<L>(w.scores.data(), keys, vt, Dp, nk, w.out.data(), Dp, rows_p, Dp);
   }
   T* out = static_cast<T*>(p.out);
   for (int r = 0; r < rows; ++r) {
@@ -259,15 +273,17 @@ CLEF_INLINE void cache_write_token(const CacheWriteParams& p, int64_t token) {
 
 }  // namespace
 
+// Each variant in vectors of its register width (Lanes above).
 #define CLEF_ATTN_CPU_ENTRIES(suffix, T)                                                                  \
   CLEF_CPU_VARIANTS(gather_tile_##suffix,                                                                 \
                     (const PagedAttentionParams& p, int b, int h, int tile, int ctx, int Dp, int keys, float* kt, \
                      int32_t* ok),                                                                        \
                     (p, b, h, tile, ctx, Dp, keys, kt, ok), gather_tile<T>)                               \
-  CLEF_CPU_VARIANTS(attention_block_##suffix,                                                             \
-                    (const PagedAttentionParams& p, int b, int h, int q0, int n, const GatheredContexts& g, \
-                     AttnScratch& w),                                                                     \
-                    (p, b, h, q0, n, g, w), attention_block<T>)
+  CLEF_CPU_VARIANTS_EACH(attention_block_##suffix,                                                        \
+                         (const PagedAttentionParams& p, int b, int h, int q0, int n, const GatheredContexts& g, \
+                          AttnScratch& w),                                                                \
+                         (p, b, h, q0, n, g, w), (attention_block<T, 16>), (attention_block<T, 8>),       \
+                         (attention_block<T, 4>))
 CLEF_ATTN_CPU_ENTRIES(f32, float)
 CLEF_ATTN_CPU_ENTRIES(f16, c10::Half)
 CLEF_ATTN_CPU_ENTRIES(bf16, c10::BFloat16)
@@ -282,7 +298,7 @@ void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
   // Pass 1: gather the context of every (sequence, KV head) with several query blocks (see GatheredContexts).
   const int block_tokens = std::max(1, 128 / group);  // about 128 rows per work item
   GatheredContexts g;
-  g.Dp = round_up(p.head_dim, kLanes);
+  g.Dp = round_up(p.head_dim, 16);  // a multiple of both vector widths
   g.keys = key_tile_for(g.Dp);
   const int regions = p.batch * p.num_kv_heads;
   g.base.assign(regions, -1);
@@ -319,7 +335,6 @@ void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
   const int64_t items = item_start[p.batch];
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     AttnScratch scratch;
-    scratch.wide_registers = has_512bit_registers(isa);
     for (int64_t i = begin; i < end; ++i) {
       // Later query blocks attend more keys (causal); zig-zag so each thread's contiguous share of the
       // range mixes cheap and expensive items.
