@@ -285,6 +285,8 @@ def parse_adapters(values: list[str]) -> list[tuple[str, str]]:
     """NAME=DIR (or vLLM's JSON form) -> (name, directory); ValueError naming the bad one."""
     import json
 
+    from clef_cuda.model.adapters import check_variant_name
+
     pairs = []
     for value in values:
         if value.lstrip().startswith("{"):
@@ -297,6 +299,10 @@ def parse_adapters(values: list[str]) -> list[tuple[str, str]]:
             name, sep, directory = value.partition("=")
             if not sep or not name or not directory:
                 raise ValueError(f"--adapter {value!r}: expected NAME=DIR")
+        try:
+            check_variant_name(str(name))
+        except ValueError as error:
+            raise ValueError(f"--adapter {value!r}: {error}") from None
         pairs.append((str(name), str(directory)))
     names = [name for name, _ in pairs]
     for name in names:
@@ -493,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if not Path(args.weights).is_dir():
                 raise ValueError(f"--w {args.weights}: not a directory (expected a clef-flash release)")
-            description = f"clef-flash System One decision model ({args.weights})"
+            description = "clef-flash System One decision model"  # never where it lives (a server path)
         check_adapters(args, load_release_config(args.weights))
         check_not_prequantized(args.weights)
         planned = check_plan(args, log)
@@ -516,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         request_timeout=args.request_timeout,
         body_timeout=args.body_timeout,
         model_description=description,
+        release_dir=args.weights,
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         selfcheck=args.selfcheck,
         max_json_depth=args.max_json_depth,

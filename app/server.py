@@ -5,6 +5,11 @@ Every error a client can cause is a 4xx in the contract's shape: 422 `{"detail":
 for an invalid body, `{"detail": {"error_type", "message"}}` for the rest. Only the server's own faults
 are 5xx (503 while loading, draining, overloaded or after a failed on-device self-check, with
 Retry-After; 500 for a numerical overflow).
+
+With an API key, every /v1 route needs it (RequireKeyOnV1, so a route added later cannot forget it);
+/health, /ready and /metrics stay open for probes and scrapers. No response names a server path: the
+model is described by name, and messages that would name the release or adapter directories say
+"the release" / "<adapter-root>" instead.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from app.media import collect_images, parse_multipart
 from app.metrics import Metrics
 from app.schemas import SystemOneRequest, unsupported_question_errors
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
-from clef_cuda.model.adapters import AdapterError
+from clef_cuda.model.adapters import AdapterError, check_variant_name
 from clef_cuda.request.images import ImageError
 from clef_cuda.request.routing import prefix_key
 from clef_cuda.serving.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
@@ -51,7 +56,8 @@ class ServerSettings:
     request_timeout: float = 600.0
     body_timeout: float = 30.0  # seconds to receive a whole request body (slow or stalled clients: 408)
     cors_origins: tuple[str, ...] = ()  # no CORS headers at all unless origins are configured
-    model_description: str = "clef-flash System One decision model"
+    model_description: str = "clef-flash System One decision model"  # a name, never where it lives
+    release_dir: str | None = None  # never shown to clients: messages naming it say "the release"
     release_date: str = "2026-10-01"
     disconnect_poll_seconds: float = 0.05
     selfcheck: str = "enforce"  # enforce: a failed on-device self-check keeps /ready 503; warn: serve anyway; off
@@ -78,6 +84,46 @@ class ServerState:
 
 def error_response(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"detail": {"error_type": error_type, "message": message}}, status_code=status, headers=headers)
+
+
+def key_is_valid(headers, api_key: str) -> bool:
+    """`Authorization: Bearer <api_key>`, compared in constant time (equal-length digests: the key never
+    leaks through timing)."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    given = token.strip().encode() if scheme.lower() == "bearer" else b""
+    return hmac.compare_digest(
+        hmac.new(b"clef", given, "sha256").digest(), hmac.new(b"clef", api_key.encode(), "sha256").digest()
+    )
+
+
+MISSING_KEY = "missing or invalid API key (Authorization: Bearer <key>)"
+
+
+def missing_key_response() -> JSONResponse:
+    return error_response(401, "authentication_error", MISSING_KEY, {"WWW-Authenticate": "Bearer"})
+
+
+class RequireKeyOnV1:
+    """ASGI middleware: with an API key set, any request to /v1 or under /v1/ without it is a 401 before a
+    route (or its 404) is reached. `checked_in_route` lists the routes that check the key themselves so
+    that a refusal is logged and counted as theirs (POST /v1/systemone's decision log line)."""
+
+    def __init__(self, app, api_key: str | None, checked_in_route: frozenset[str]) -> None:
+        self.app, self.api_key, self.checked_in_route = app, api_key, checked_in_route
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (
+            self.api_key is not None
+            and scope["type"] == "http"
+            and (scope["path"] == "/v1" or scope["path"].startswith("/v1/"))
+            and scope["path"] not in self.checked_in_route
+        ):
+            from starlette.datastructures import Headers
+
+            if not key_is_valid(Headers(scope=scope), self.api_key):
+                await missing_key_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
@@ -162,6 +208,8 @@ def create_app(
             await run_in_threadpool(state.engine.stop, 60.0)
 
     app = FastAPI(title="clef-serve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # Added first, so it sits inside CORS: a browser's preflight (no credentials by design) is answered.
+    app.add_middleware(RequireKeyOnV1, api_key=settings.api_key, checked_in_route=frozenset({"/v1/systemone"}))
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -194,21 +242,9 @@ def create_app(
         return error_response(error.status_code, kind, str(error.detail), getattr(error, "headers", None))
 
     def check_auth(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # Constant-time comparison of equal-length digests: the key never leaks through timing.
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        if not hmac.compare_digest(
-            hmac.new(b"clef", given, "sha256").digest(), hmac.new(b"clef", settings.api_key.encode(), "sha256").digest()
-        ):
-            raise ClientError(
-                401,
-                "authentication_error",
-                "missing or invalid API key (Authorization: Bearer <key>)",
-                {"WWW-Authenticate": "Bearer"},
-            )
+        """The decision route's own check (RequireKeyOnV1 guards every other /v1 route)."""
+        if settings.api_key is not None and not key_is_valid(request.headers, settings.api_key):
+            raise ClientError(401, "authentication_error", MISSING_KEY, {"WWW-Authenticate": "Bearer"})
 
     def ready_engine() -> Engine:
         failure = state.engine.verification_failure if state.engine is not None else None
@@ -382,7 +418,6 @@ def create_app(
     def adapter_admin(request: Request) -> Engine:
         if settings.adapter_root is None:
             raise ClientError(404, "not_found_error", "runtime adapter loading is off (--enable-adapter-loading)")
-        check_auth(request)
         engine = ready_engine()
         if engine.adapters is None:
             raise ClientError(404, "not_found_error", "this server holds no adapters")
@@ -404,6 +439,10 @@ def create_app(
             engine = adapter_admin(request)
             body = await admin_body(request, ("lora_name", "lora_path"))
             name = body["lora_name"]
+            try:
+                check_variant_name(name)
+            except ValueError as error:
+                raise ClientError(400, "invalid_request_error", f"lora_name: {error}") from error
             if name in names:
                 raise ClientError(400, "invalid_request_error", f"{name!r} is the served model's name")
             directory = _under_root(settings.adapter_root, body["lora_path"])
@@ -411,7 +450,8 @@ def create_app(
                 await run_in_threadpool(engine.adapters.load, name, directory)
             except AdapterError as error:
                 metrics.adapter_loads.labels(result="error").inc()
-                raise ClientError(400, "invalid_request_error", str(error)) from error
+                message = _hide_directory(str(error), settings.adapter_root, "<adapter-root>")
+                raise ClientError(400, "invalid_request_error", message) from error
             metrics.adapter_loads.labels(result="ok").inc()
             log.info("adapter %s loaded at runtime", name)
             return JSONResponse({"lora_name": name, "loaded": True})
@@ -451,9 +491,10 @@ def create_app(
             body["shadow"] = {"match": stats.match, "mismatch": stats.mismatch, "dropped": stats.dropped}
         if state.status == "ready" and not failure:
             return JSONResponse(body)
+        message = failure or (state.status if state.error is None else state.error)
         body["detail"] = {
             "error_type": "service_unavailable",
-            "message": failure or (state.status if state.error is None else state.error),
+            "message": _hide_directory(message, settings.release_dir, "the release"),
         }
         return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_SECONDS})
 
@@ -468,12 +509,27 @@ def create_app(
 
 def _under_root(root: str, path: str) -> Path:
     """`path` (relative to the root, or absolute) resolved with every symlink, and inside the root: a path
-    that leaves it, by .. or by a link, is refused."""
+    that leaves it, by .. or by a link, is refused; so is one the OS cannot take (a NUL byte, too long)."""
     base = Path(root).resolve()
-    target = (base / path).resolve()
+    try:
+        target = (base / path).resolve()
+    except (ValueError, OSError) as error:  # "embedded null byte", ENAMETOOLONG, a symlink loop
+        raise ClientError(400, "invalid_request_error", f"lora_path {path!r} is not a usable path ({error})") from error
     if target != base and base not in target.parents:
         raise ClientError(400, "invalid_request_error", f"lora_path {path!r} is outside --adapter-root")
     return target
+
+
+def _hide_directory(message: str, directory: str | None, name: str) -> str:
+    """`message` with a server directory (as given and as resolved) replaced by `name`: errors from the
+    release or adapter loaders name files, and no response may say where they live."""
+    if not directory:
+        return message
+    # The given form only when it looks like a path ("models" alone would clobber words of the message).
+    forms = {str(Path(directory).resolve())} | {f for f in (directory, str(Path(directory))) if "/" in f}
+    for form in sorted(forms, key=len, reverse=True):
+        message = message.replace(form, name)
+    return message
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

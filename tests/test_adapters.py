@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from adapter_fixtures import checkpoint, merged
+from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from live import wait_until
 from parity import INT8_BOUNDS, PARITY_BOUND, assert_response_matches, reference_response
@@ -406,7 +407,7 @@ def test_runtime_loading_listing_and_unloading(admin):
     assert client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "team-a"}).status_code == 401
     loaded = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "team-a"}, headers=AUTH)
     assert loaded.status_code == 200, loaded.text
-    models = client.get("/v1/models").json()
+    models = client.get("/v1/models", headers=AUTH).json()
     (entry,) = [m for m in models["data"] if m["id"] == "a"]
     assert entry["parent"] == "clef-flash" and str(root) not in json.dumps(models)
     request = long_request(40) | {"model": "a"}
@@ -429,7 +430,7 @@ def test_runtime_loading_listing_and_unloading(admin):
     thread.join(120)
     assert results["r"].status_code == 200 and results["r"].json()["model"] == "a"
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=AUTH).status_code == 404
-    assert "a" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert "a" not in [m["id"] for m in client.get("/v1/models", headers=AUTH).json()["data"]]
 
 
 def test_runtime_loading_reads_only_under_the_root(admin, tmp_path):
@@ -450,6 +451,81 @@ def test_runtime_loading_reads_only_under_the_root(admin, tmp_path):
     )
     assert client.post("/v1/load_lora_adapter", content=b"[1]", headers=AUTH).status_code == 400
     assert client.post("/v1/systemone", json=long_request(1) | {"model": "clef-flash"}, headers=AUTH).status_code == 200
+
+
+def test_every_v1_route_needs_the_key_and_the_probes_stay_open(admin):
+    client, _, _ = admin
+    app = client.app
+    # A route added later is guarded too: the rule is the path prefix, not a check a route could forget.
+    app.add_api_route("/v1/added_later", lambda: {"ok": True}, methods=["GET"])
+    declared = [
+        (m, r.path) for r in app.routes if isinstance(r, APIRoute) and r.path.startswith("/v1") for m in r.methods
+    ]
+    expected = {("POST", "/v1/systemone"), ("GET", "/v1/models"), ("POST", "/v1/load_lora_adapter")}
+    assert expected | {("POST", "/v1/unload_lora_adapter"), ("GET", "/v1/added_later")} <= set(declared)
+    for method, path in [*declared, ("GET", "/v1/no-such-route"), ("GET", "/v1")]:
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong-key"},
+            {"Authorization": KEY},
+            {"Authorization": f"Basic {KEY}"},
+        ):
+            refused = client.request(method, path, headers=headers, json={})
+            assert refused.status_code == 401, (method, path, headers, refused.text)
+            assert refused.json() == {
+                "detail": {"error_type": "authentication_error", "message": refused.json()["detail"]["message"]}
+            }
+            assert refused.headers["www-authenticate"] == "Bearer"
+        assert client.request(method, path, headers=AUTH, json={}).status_code != 401, (method, path)
+    for path in ("/health", "/ready", "/metrics"):  # probes and scrapers carry no key
+        assert client.get(path).status_code == 200, path
+
+
+def test_adapter_paths_and_names_a_client_can_send(admin):
+    client, root, _ = admin
+
+    def load(name: str, path: str):
+        return client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, headers=AUTH)
+
+    for path in (f"{root}/team-a\u0000/x", "team-a\u0000", "\u0000"):  # the OS refuses a NUL byte in a path
+        response = load("x", path)
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["detail"]["message"].startswith("lora_path "), response.text
+    # A name is a routing key and a log field, never a path or a second log line.
+    for name in ("../../x", "a" * 129, "a\nb", "/x", "a//b", "a/", "a b", "team\u00e9", "-x", "a/../b"):
+        response = load(name, "team-a")
+        assert response.status_code == 400 and response.json()["detail"]["message"].startswith("lora_name"), name
+    for name in ("org/model:v1.2", "A-b_c.3", "a" * 128):
+        assert load(name, "team-a").status_code == 200, name
+    assert {"org/model:v1.2", "A-b_c.3", "a" * 128} <= set(
+        m["id"] for m in client.get("/v1/models", headers=AUTH).json()["data"]
+    )
+    # A loader's error names the file, relative to the adapter root: no response says where that is.
+    bad = root / "bad"
+    shutil.copytree(checkpoint("all"), bad)
+    edit_config(bad, lambda c: c.update(use_dora=True))
+    refused = load("bad", "bad")
+    message = refused.json()["detail"]["message"]
+    assert refused.status_code == 400 and "use_dora" in message and "<adapter-root>/bad/adapter" in message
+    assert str(root) not in refused.text and str(root.resolve()) not in refused.text
+
+
+def test_no_response_names_the_release_directory(tmp_path):
+    from clef_cuda.errors import ReleaseError
+
+    release = tmp_path / "mnt" / "models" / "clef-flash"
+
+    def failing_load():
+        raise ReleaseError(f"{release}/model.safetensors: tensor model.embed_tokens.weight is missing")
+
+    settings = ServerSettings(api_key=KEY, release_dir=str(release))
+    with TestClient(create_app(settings, load_engine=failing_load)) as client:
+        wait_until(lambda: client.get("/ready").json()["status"] == "failed", "the load to fail")
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and "the release/model.safetensors" in ready.json()["detail"]["message"]
+        assert str(release) not in ready.text
+        models = client.get("/v1/models", headers=AUTH)
+        assert models.status_code == 200 and str(tmp_path) not in models.text
 
 
 def test_runtime_loading_is_off_by_default(decider):
@@ -481,6 +557,9 @@ def test_cli_refuses_bad_adapters_in_one_line(tmp_path):
     for args, words in (
         (["--adapter", f"x={bad}"], "use_dora"),
         (["--adapter", "noequals"], "expected NAME=DIR"),
+        (["--adapter", f"../../x={checkpoint('all')}"], "not a model name"),
+        (["--adapter", f"a\nb={checkpoint('all')}"], "not a model name"),
+        (["--adapter", f"{'n' * 300}={checkpoint('all')}"], "300 characters long"),
         (["--adapter", f"clef-tiny={checkpoint('all')}"], "the served model's"),
         (["--adapter", f"a={checkpoint('all')}", "--adapter", f"a={checkpoint('subset')}"], "given twice"),
         (["--enable-adapter-loading", "--adapter-root", str(tmp_path)], "needs --api-key"),

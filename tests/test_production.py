@@ -280,6 +280,10 @@ def test_keys_and_bodies_are_never_logged(log_format):
         assert wrong.status_code == 401
         broken = httpx.post(url + "/v1/systemone", content=b"{broken " + marker.encode(), timeout=60, headers=auth)
         assert broken.status_code == 422
+        # Every /v1 route needs the key; the model is described by name, never by where it lives.
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        models = httpx.get(url + "/v1/models", headers=auth, timeout=10)
+        assert models.status_code == 200 and str(tiny_release()) not in models.text and "/" not in models.text
         process.send_signal(signal.SIGTERM)
         process.wait(60)
     logs = "".join(output)

@@ -182,7 +182,7 @@ def test_oversized_and_undecodable_bodies(client):
 
 # ---- other endpoints --------------------------------------------------------------------------------
 def test_models_health_ready(client):
-    models = client.get("/v1/models").json()
+    models = client.get("/v1/models", headers=AUTH).json()
     assert models["object"] == "list" and models["models"][0]["name"] == "clef-flash"
     assert models["data"][0] == models["data"][0] | {"id": "clef-flash", "object": "model"}
     assert client.get("/health").json() == {"status": "ok"} and client.get("/ready").status_code == 200

@@ -61,6 +61,24 @@ REFUSED_OPTIONS = {
     "alora_invocation_tokens": "activated LoRA",
     "trainable_token_indices": "trainable tokens",
 }
+# A variant's name is a routing key that clients send as `model` and that the log prints, never a path:
+# what a model name looks like (letters, digits, ._-:/), each /-separated part starting with a letter or a
+# digit (so no "..", no leading or doubled "/"), at most 128 characters, no whitespace or control characters.
+VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*(?:/[A-Za-z0-9][A-Za-z0-9._:-]*)*")
+VARIANT_NAME_MAX = 128
+
+
+def check_variant_name(name: str) -> None:
+    """ValueError naming what is wrong with a variant name (--adapter NAME=DIR, load_lora_adapter's lora_name)."""
+    if len(name) > VARIANT_NAME_MAX:
+        raise ValueError(
+            f"the variant name {name[:40]!r}... is {len(name)} characters long (at most {VARIANT_NAME_MAX})"
+        )
+    if not VARIANT_NAME.fullmatch(name):
+        raise ValueError(
+            f"the variant name {name!r} is not a model name: letters, digits and ._-:/ only, each /-separated "
+            "part starting with a letter or a digit"
+        )
 
 
 class AdapterError(ClefError):
