@@ -127,7 +127,7 @@ def extension_modules():
     use_cuda = mode == "cuda" or (mode == "auto" and torch_cuda is not None and cuda_home is not None)
 
     csrc = ROOT / "csrc"
-    families = ["conv1d", "gated_delta_rule", "paged_attention", "dequantize"]
+    families = ["conv1d", "gated_delta_rule", "paged_attention", "dequantize", "glue"]
     sources = ["csrc/bindings.cpp", "csrc/common/cpu_isa_ops.cpp"]
     for family in families:
         sources += [f"csrc/{family}/{family}_ops.cpp", f"csrc/{family}/{family}_cpu.cpp"]

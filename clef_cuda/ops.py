@@ -285,6 +285,70 @@ class OpLibrary:
         self._ops.dequantize_int8(qweight.contiguous(), _f32(scale), out)
         return out
 
+    # ---- the trunk's glue, fused (csrc/glue/glue.h): fp32 math, each output rounded once ---------------
+    def add_rms_norm(
+        self,
+        x: Tensor,
+        delta: Tensor | None,
+        scale: Tensor,
+        eps: float,
+        *,
+        dtype: torch.dtype | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """The residual add and the next RMSNorm in one pass. x [R, C] fp32 (contiguous: the residual
+        stream, updated in place: x += delta), delta [R, C] in out's dtype or None, scale [C] fp32 (the
+        effective gain) -> out [R, C] = x * rsqrt(mean(x^2) + eps) * scale, in `dtype` (default: delta's,
+        else x's)."""
+        if out is None:
+            dtype = dtype or (delta.dtype if delta is not None else x.dtype)
+            out = torch.empty(x.shape, dtype=dtype, device=x.device)
+        delta = delta.contiguous() if delta is not None else None
+        self._ops.add_rms_norm(x, delta, _f32(scale).contiguous(), eps, out)
+        return out
+
+    def silu_mul(self, gate_up: Tensor, *, out: Tensor | None = None) -> Tensor:
+        """gate_up [R, 2 I] (gate | up, as the fused gate_up GEMM writes it) -> out [R, I] = silu(gate) * up."""
+        gate_up = gate_up.contiguous()
+        if out is None:
+            out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
+        self._ops.silu_mul(gate_up, out)
+        return out
+
+    def gated_rms_norm(
+        self, core: Tensor, z: Tensor, weight: Tensor, eps: float, *, out: Tensor | None = None
+    ) -> Tensor:
+        """The delta net's output norm and gate: core [N, H, D] (the delta rule's output), z [N, H * D] (its
+        rows may be a strided slice of the in_proj output), weight [D] fp32 -> out [N, H * D] =
+        rmsnorm(core per head) * weight * silu(z)."""
+        core = core.contiguous()
+        if out is None:
+            out = torch.empty(core.shape[0], core.shape[1] * core.shape[2], dtype=core.dtype, device=core.device)
+        self._ops.gated_rms_norm(core, _last_dim_contiguous(z), _f32(weight).contiguous(), eps, out)
+        return out
+
+    def rms_norm_rope(
+        self, x: Tensor, scale: Tensor, cos: Tensor, sin: Tensor, eps: float, *, out: Tensor | None = None
+    ) -> Tensor:
+        """q or k norm + RoPE: x [N, H, D] (any token/head stride, last dim contiguous), scale [D] fp32, cos
+        and sin [N, rotary_dim / 2] fp32 (per token: M-RoPE's axes are already folded in) -> out [N, H, D]
+        contiguous = NeoX rotate-half of (rmsnorm(x per head) * scale) on the first rotary_dim dims."""
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self._ops.rms_norm_rope(
+            _last_dim_contiguous(x), _f32(scale).contiguous(), _f32(cos).contiguous(), _f32(sin).contiguous(), eps, out
+        )
+        return out
+
+    def sigmoid_gate(self, attn: Tensor, gate: Tensor, *, out: Tensor | None = None) -> Tensor:
+        """The attention output's gate: attn [N, H, D], gate [N, H, D] (any token/head stride) -> out
+        [N, H * D] = attn * sigmoid(gate)."""
+        attn = attn.contiguous()
+        if out is None:
+            out = torch.empty(attn.shape[0], attn.shape[1] * attn.shape[2], dtype=attn.dtype, device=attn.device)
+        self._ops.sigmoid_gate(attn, _last_dim_contiguous(gate), out)
+        return out
+
     # ---- the CPU kernels' instruction set ------------------------------------------------------------
     def supported_cpu_isas(self) -> list[str]:
         """The CPU kernel variants this machine can run, best first: ["avx512", "avx2", "baseline"] on
@@ -320,6 +384,11 @@ def _register_fake_kernels(namespace: str) -> None:
         "reshape_and_cache",
         "paged_attention",
         "dequantize_int8",
+        "add_rms_norm",
+        "silu_mul",
+        "gated_rms_norm",
+        "rms_norm_rope",
+        "sigmoid_gate",
     ):
         torch.library.register_fake(f"{namespace}::{name}")(lambda *args, **kwargs: None)
 
@@ -336,6 +405,11 @@ paged_attention = _default.paged_attention
 paged_attention_dispatch = _default.paged_attention_dispatch
 paged_attention_tiles = _default.paged_attention_tiles
 dequantize_int8 = _default.dequantize_int8
+add_rms_norm = _default.add_rms_norm
+silu_mul = _default.silu_mul
+gated_rms_norm = _default.gated_rms_norm
+rms_norm_rope = _default.rms_norm_rope
+sigmoid_gate = _default.sigmoid_gate
 supported_cpu_isas = _default.supported_cpu_isas
 cpu_isa = _default.cpu_isa
 set_cpu_isa = _default.set_cpu_isa

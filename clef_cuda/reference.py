@@ -260,3 +260,73 @@ def dequantize_int8(
         out = torch.empty(qweight.shape, dtype=dtype or torch.float32, device=qweight.device)
     out.copy_(qweight.float() * scale.float()[:, None])
     return out
+
+
+# ---- the trunk's glue ----------------------------------------------------------------------------
+def _rms_normed(x: Tensor, scale: Tensor, eps: float) -> Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale.float()
+
+
+def add_rms_norm(
+    x: Tensor,
+    delta: Tensor | None,
+    scale: Tensor,
+    eps: float,
+    *,
+    dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
+    """x [R, C] fp32, updated in place: x += delta ([R, C] or None); -> out [R, C] = rmsnorm(x) * scale, in
+    `dtype` (default: delta's, else x's)."""
+    if delta is not None:
+        x += delta.float()
+    if out is None:
+        out = torch.empty(x.shape, dtype=dtype or (delta.dtype if delta is not None else x.dtype), device=x.device)
+    out.copy_(_rms_normed(x, scale, eps))
+    return out
+
+
+def silu_mul(gate_up: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """gate_up [R, 2 I] (gate | up) -> out [R, I] = silu(gate) * up."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    if out is None:
+        out = torch.empty(gate.shape, dtype=gate_up.dtype, device=gate_up.device)
+    out.copy_(F.silu(gate) * up)
+    return out
+
+
+def gated_rms_norm(core: Tensor, z: Tensor, weight: Tensor, eps: float, *, out: Tensor | None = None) -> Tensor:
+    """core [N, H, D], z [N, H * D], weight [D] fp32 -> out [N, H * D] = rmsnorm(core per head) * weight *
+    silu(z)."""
+    n, heads, dim = core.shape
+    gated = _rms_normed(core, weight, eps) * F.silu(z.float().reshape(n, heads, dim))
+    if out is None:
+        out = torch.empty(n, heads * dim, dtype=core.dtype, device=core.device)
+    out.copy_(gated.reshape(n, heads * dim))
+    return out
+
+
+def rms_norm_rope(
+    x: Tensor, scale: Tensor, cos: Tensor, sin: Tensor, eps: float, *, out: Tensor | None = None
+) -> Tensor:
+    """x [N, H, D], scale [D] fp32, cos/sin [N, rotary_dim / 2] -> out [N, H, D]: NeoX rotate-half of
+    rmsnorm(x per head) * scale on the first rotary_dim dims, the rest passed through."""
+    normed = _rms_normed(x, scale, eps)
+    half = cos.shape[-1]
+    c, s = cos.float()[:, None, :], sin.float()[:, None, :]
+    x1, x2, rest = normed[..., :half], normed[..., half : 2 * half], normed[..., 2 * half :]
+    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out.copy_(rotated)
+    return out
+
+
+def sigmoid_gate(attn: Tensor, gate: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """attn [N, H, D], gate [N, H, D] -> out [N, H * D] = attn * sigmoid(gate)."""
+    n, heads, dim = attn.shape
+    if out is None:
+        out = torch.empty(n, heads * dim, dtype=attn.dtype, device=attn.device)
+    out.copy_((attn.float() * torch.sigmoid(gate.float())).reshape(n, heads * dim))
+    return out

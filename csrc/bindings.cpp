@@ -47,6 +47,11 @@ CLEF_LIBRARY(CLEF_NS, m) {
       "paged_attention_dispatch(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
       "Tensor context_lens, Tensor block_tables, str kernel=\"auto\") -> str");
   m.def("dequantize_int8(Tensor qweight, Tensor scale, Tensor(a!) out) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor scale, float eps, Tensor(b!) out) -> ()");
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  m.def("gated_rms_norm(Tensor core, Tensor z, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  m.def("rms_norm_rope(Tensor x, Tensor scale, Tensor cos, Tensor sin, float eps, Tensor(a!) out) -> ()");
+  m.def("sigmoid_gate(Tensor attn, Tensor gate, Tensor(a!) out) -> ()");
   // No tensors: one kernel for every dispatch key.
   m.def("paged_attention_tiles(int head_dim, int compute_capability, int smem_limit) -> str",
         &clef::paged_attention_tiles);
@@ -63,7 +68,12 @@ CLEF_LIBRARY(CLEF_NS, m) {
   m.impl("reshape_and_cache", &clef::reshape_and_cache);                   \
   m.impl("paged_attention", &clef::paged_attention);                       \
   m.impl("paged_attention_dispatch", &clef::paged_attention_dispatch);     \
-  m.impl("dequantize_int8", &clef::dequantize_int8);
+  m.impl("dequantize_int8", &clef::dequantize_int8);                       \
+  m.impl("add_rms_norm", &clef::add_rms_norm);                             \
+  m.impl("silu_mul", &clef::silu_mul);                                     \
+  m.impl("gated_rms_norm", &clef::gated_rms_norm);                         \
+  m.impl("rms_norm_rope", &clef::rms_norm_rope);                           \
+  m.impl("sigmoid_gate", &clef::sigmoid_gate);
 
 CLEF_LIBRARY_IMPL(CLEF_NS, CPU, m) { CLEF_REGISTER_IMPLS(m) }
 

@@ -38,6 +38,15 @@ std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& 
                                      const at::Tensor& context_lens, const at::Tensor& block_tables,
                                      c10::string_view kernel);
 
+// The trunk's glue, fused (glue/glue.h has the layouts and formulas).
+void add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& delta, const at::Tensor& scale, double eps,
+                  at::Tensor& out);
+void silu_mul(const at::Tensor& gate_up, at::Tensor& out);
+void gated_rms_norm(const at::Tensor& core, const at::Tensor& z, const at::Tensor& weight, double eps, at::Tensor& out);
+void rms_norm_rope(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& cos, const at::Tensor& sin,
+                   double eps, at::Tensor& out);
+void sigmoid_gate(const at::Tensor& attn, const at::Tensor& gate, at::Tensor& out);
+
 // The attention tiles a device gets for a head dim (paged_attention.h's rule), in words: the tensor-core
 // tile where there is one, and the SIMT tile.
 std::string paged_attention_tiles(int64_t head_dim, int64_t compute_capability, int64_t smem_limit);

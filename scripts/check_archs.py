@@ -93,6 +93,22 @@ FAMILIES = {
         # the launchers' switch cases: head_dim * 1000 + keys per tile
         [16032, 32032, 64032, 128032, 256016, 256008, 64064, 256032],
     ),
+    "glue": (
+        "glue/glue_kernels.cuh",
+        "glue/glue_launch.cu",
+        [
+            f"template __global__ void clef::{k}_kernel<{t}>(clef::{P}Params);"
+            for t in DTYPES
+            for k, P in (
+                ("add_rms_norm", "AddRmsNorm"),
+                ("silu_mul", "SiluMul"),
+                ("gated_rms_norm", "GatedRmsNorm"),
+                ("rms_norm_rope", "RmsNormRope"),
+                ("sigmoid_gate", "SigmoidGate"),
+            )
+        ],
+        [],
+    ),
     "dequantize": (
         "dequantize/dequantize_kernels.cuh",
         "dequantize/dequantize_launch.cu",

@@ -167,8 +167,33 @@ def _raises(original, *args, **kwargs):
     raise RuntimeError("CUDA error: no kernel image is available for execution on the device")
 
 
+def _residual_not_kept(original, x, *args, **kwargs):
+    return original(x.clone(), *args, **kwargs)
+
+
+def _gate_and_up_swapped(original, gate_up, **kwargs):
+    return original(gate_up.roll(gate_up.shape[1] // 2, dims=1), **kwargs)
+
+
+def _gate_reversed(original, core, z, *args, **kwargs):
+    return original(core, z.flip(-1), *args, **kwargs)
+
+
+def _rope_backwards(original, x, scale, cos, sin, *args, **kwargs):
+    return original(x, scale, cos, -sin, *args, **kwargs)
+
+
+def _next_heads_gate(original, attn, gate, **kwargs):
+    return original(attn, gate.roll(1, dims=1), **kwargs)
+
+
 FAULTS = {
     # name: (op, broken, checks that must fail)
+    "residual stream not updated": ("add_rms_norm", _residual_not_kept, {"glue.add_rms_norm.residual"}),
+    "gate and up swapped": ("silu_mul", _gate_and_up_swapped, {"glue.silu_mul"}),
+    "delta net gate misread": ("gated_rms_norm", _gate_reversed, {"glue.gated_rms_norm"}),
+    "rope turns backwards": ("rms_norm_rope", _rope_backwards, {"glue.rms_norm_rope"}),
+    "attention gate of the next head": ("sigmoid_gate", _next_heads_gate, {"glue.sigmoid_gate"}),
     "conv ignores the history": (
         "causal_conv1d_fwd",
         _fresh,

@@ -235,20 +235,22 @@ class Trunk:
         """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place.
         `lora`: the variants of the chunk's rows (clef_cuda.model.adapters); rows outside it are the base model's."""
         eps = self.config.rms_norm_eps
-        x = self._embed(batch.input_ids).float()  # the residual stream stays fp32
+        x = self._embed(batch.input_ids).float().contiguous()  # the residual stream stays fp32
         if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens
             x[batch.override_rows] = batch.override_values.float()
         rope = self._rope(batch.positions)
+        # Each block's output (in the serving dtype) is added to the residual stream by the next norm, in
+        # the same pass (ops.add_rms_norm): the stream is read and written once per norm, not per step.
+        delta = None
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_scale, eps).to(self.dtype)
-            # In-place updates below: these [N, hidden] / [N, intermediate] temporaries are the trunk's
-            # largest, and on the CPU their allocation shows in the profile.
-            x += self._mix(layer, h, batch, cache, self.cache_index[index], rope, index, lora)
-            h = rms_norm(x, layer.post_scale, eps).to(self.dtype)
-            gate, up = self._linear(h, layer.gate_up, lora, index, "gate_up").chunk(2, dim=-1)
-            act = F.silu(gate, inplace=True).mul_(up)
-            x += self._linear(act, layer.down, lora, index, "down")
-        out = rms_norm(x, self.final_scale, eps)
+            h = self.ops.add_rms_norm(x, delta, layer.input_scale, eps, dtype=self.dtype)
+            mixed = self._mix(layer, h, batch, cache, self.cache_index[index], rope, index, lora)
+            h = self.ops.add_rms_norm(x, mixed, layer.post_scale, eps)
+            act = self.ops.silu_mul(self._linear(h, layer.gate_up, lora, index, "gate_up"))
+            delta = self._linear(act, layer.down, lora, index, "down")
+        if delta is not None:
+            x += delta.float()
+        out = rms_norm(x, self.final_scale, eps)  # fp32 out, for the head: the one norm left eager
         if not torch.isfinite(out).all():
             raise NumericalOverflowError(
                 f"non-finite hidden states in a {self.dtype} forward pass (an overflow of the serving dtype); "
@@ -263,7 +265,7 @@ class Trunk:
         self-check runs one real layer of each kind through this, once on the ops and once on the references."""
         return self._mix(
             self.layers[layer_index], h, batch, cache, cache_index, self._rope(batch.positions), layer_index
-        )
+        ).float()
 
     def with_ops(self, ops) -> Trunk:
         """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.reference."""
@@ -338,18 +340,13 @@ class Trunk:
         core = self.ops.gated_delta_rule_chunk(
             q, k, v, g, beta, cache.gdr_states[i], batch.cu_seqlens, batch.state_slots, batch.has_initial_state
         )
-        core = core.float()
-        normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps) * w.norm_weight
-        gated = normed * F.silu(z.float().view(n, hv, dv))
-        return self._linear(gated.reshape(n, c.value_dim).to(self.dtype), w.out_proj, lora, index, "out_proj").float()
+        gated = self.ops.gated_rms_norm(core.view(n, hv, dv), z, w.norm_weight, c.rms_norm_eps)  # [N, Hv Dv]
+        return self._linear(gated, w.out_proj, lora, index, "out_proj")
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions [3, N] -> cos, sin [N, 1, rotary/2]: frequency j turns with the position on its axis."""
-        freqs = positions[self.rope_axis].t().float() * self.inv_freq[None, :]  # [N, rotary/2]
-        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
-
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return rotate_half(x, cos, sin, self.config.rotary_dim)
+        """positions [3, N] -> cos, sin [N, rotary/2] fp32: frequency j turns with the position on its axis."""
+        freqs = positions[self.rope_axis].t().float() * self.inv_freq[None, :]
+        return freqs.cos().contiguous(), freqs.sin().contiguous()
 
     def _attention(
         self,
@@ -369,12 +366,13 @@ class Trunk:
         query_gate = qkv[:, : hq * 2 * d].view(n, hq, 2 * d)
         k = qkv[:, hq * 2 * d : hq * 2 * d + hkv * d].view(n, hkv, d)
         v = qkv[:, hq * 2 * d + hkv * d :].view(n, hkv, d)
-        q = self._rotate(rms_norm(query_gate[..., :d], w.q_scale, c.rms_norm_eps), cos, sin)
-        k = self._rotate(rms_norm(k, w.k_scale, c.rms_norm_eps), cos, sin)
+        # q/k norm + RoPE in one pass each, read in place from the fused GEMM's output (strided views).
+        q = self.ops.rms_norm_rope(query_gate[..., :d], w.q_scale, cos, sin, c.rms_norm_eps)
+        k = self.ops.rms_norm_rope(k, w.k_scale, cos, sin, c.rms_norm_eps)
         key_cache, value_cache = cache.key_cache[i], cache.value_cache[i]
-        self.ops.reshape_and_cache(k.to(self.dtype), v, key_cache, value_cache, batch.slot_mapping)
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
         attn = self.ops.paged_attention(
-            q.to(self.dtype), key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables
+            q, key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables
         )
-        gated = attn.float() * torch.sigmoid(query_gate[..., d:].float())
-        return self._linear(gated.reshape(n, hq * d).to(self.dtype), w.o_proj, lora, index, "o_proj").float()
+        gated = self.ops.sigmoid_gate(attn, query_gate[..., d:])  # [N, Hq D]
+        return self._linear(gated, w.o_proj, lora, index, "o_proj")

@@ -14,6 +14,8 @@ clef_cuda.reference on the same inputs:
 - reshape_and_cache, then paged_attention over a cached prefix plus a new chunk, a fresh prefill and a
   decode token, GQA at the model's head dim (on a GPU in f16, or bf16 from sm_80, at head dims 64/128/256
   this pack runs the tensor-core kernel), and a pack of decode tokens only (the SIMT kernel on a GPU);
+- the fused glue between them (add_rms_norm, silu_mul, gated_rms_norm, rms_norm_rope, sigmoid_gate) at the
+  model's widths, head dims and rotary dim, the q/k inputs as the strided views the trunk passes;
 - with int8 weights (--quantize int8), dequantize_int8 on a real weight and on embedding rows (exact);
 - one real delta-net layer and one real attention layer of the loaded weights (their mixers, over two
   prefill steps so the second continues from the first's caches), through the ops vs the references;
@@ -206,6 +208,7 @@ class _SelfCheck:
             ("gated_delta_rule_chunk", self.gdr_chunk),
             ("gated_delta_rule_recurrent", self.gdr_recurrent),
             ("paged_attention", self.paged_attention),
+            ("glue", self.glue),
         ]
         if self.trunk.quantized:
             groups.append(("dequantize_int8", self.dequantize))
@@ -395,6 +398,46 @@ class _SelfCheck:
         self.ops.paged_attention(decode_query, key_cache, value_cache, *decode_args, out=out)
         expected = reference.paged_attention(decode_query, expected_keys, expected_values, *decode_args)
         checks.append(self.compare("paged_attention.decode_pack", out, expected, self.rtol))
+        return checks
+
+    # ---- the fused glue ------------------------------------------------------------------------------
+    def glue(self) -> list[Check]:
+        """Each glue op on a pack of PACK_LENGTHS tokens at the model's shapes, into NaN-poisoned outputs, next
+        to its reference; add_rms_norm's residual update is compared too."""
+        c, n, eps = self.config, sum(PACK_LENGTHS), self.config.rms_norm_eps
+        hq, d, hv, dv = c.num_attention_heads, c.head_dim, c.linear_num_value_heads, c.linear_value_head_dim
+
+        def nan(*shape: int) -> Tensor:
+            return torch.full(shape, float("nan"), dtype=self.dtype, device=self.device)
+
+        checks = []
+        x = self.randn(n, c.hidden_size, dtype=torch.float32, scale=3.0)
+        x_ref, delta, scale = x.clone(), self.randn(n, c.hidden_size), 1.0 + self.randn(c.hidden_size, scale=0.2)
+        out = self.ops.add_rms_norm(x, delta, scale.float(), eps, out=nan(n, c.hidden_size))
+        expected = reference.add_rms_norm(x_ref, delta, scale.float(), eps)
+        checks.append(self.compare("glue.add_rms_norm", out, expected, self.rtol))
+        checks.append(self.compare("glue.add_rms_norm.residual", x, x_ref, OP_RTOL[torch.float32]))
+        gate_up = self.randn(n, 2 * c.intermediate_size, scale=3.0)
+        out = self.ops.silu_mul(gate_up, out=nan(n, c.intermediate_size))
+        checks.append(self.compare("glue.silu_mul", out, reference.silu_mul(gate_up), self.rtol))
+        core, z = self.randn(n, hv, dv), self.randn(n, hv * dv + 3)[:, 3:]  # z: a strided slice, as in_proj's
+        weight = 1.0 + self.randn(dv, dtype=torch.float32, scale=0.2)
+        out = self.ops.gated_rms_norm(core, z, weight, eps, out=nan(n, hv * dv))
+        checks.append(
+            self.compare("glue.gated_rms_norm", out, reference.gated_rms_norm(core, z, weight, eps), self.rtol)
+        )
+        query_gate = self.randn(n, hq, 2 * d)  # q and its gate interleaved per head, as the fused qkv GEMM writes
+        positions = torch.randint(0, 16384, (n, c.rotary_dim // 2), generator=self.generator).float()
+        angles = positions * (1.0 / (c.rope_theta ** (torch.arange(c.rotary_dim // 2) * 2 / c.rotary_dim)))
+        cos, sin = angles.cos().to(self.device), angles.sin().to(self.device)
+        q_scale = 1.0 + self.randn(d, dtype=torch.float32, scale=0.2)
+        out = self.ops.rms_norm_rope(query_gate[..., :d], q_scale, cos, sin, eps, out=nan(n, hq, d))
+        expected = reference.rms_norm_rope(query_gate[..., :d], q_scale, cos, sin, eps)
+        checks.append(self.compare("glue.rms_norm_rope", out, expected, self.rtol))
+        attn = self.randn(n, hq, d)
+        out = self.ops.sigmoid_gate(attn, query_gate[..., d:], out=nan(n, hq * d))
+        expected = reference.sigmoid_gate(attn, query_gate[..., d:])
+        checks.append(self.compare("glue.sigmoid_gate", out, expected, self.rtol))
         return checks
 
     # ---- int8 weights ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILIES = ("conv1d", "gated_delta_rule", "paged_attention", "dequantize")
+FAMILIES = ("conv1d", "gated_delta_rule", "paged_attention", "dequantize", "glue")
 NAMESPACE = "clef_sim"
 
 

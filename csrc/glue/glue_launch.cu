@@ -1,0 +1,78 @@
+// Host-side launchers of the glue kernels. Torch-free on purpose.
+#include "glue/glue_kernels.cuh"
+#include "glue/glue_launch.h"
+
+namespace clef {
+
+static const char* glue_error() {
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+static unsigned blocks_for(int64_t items, int per_block) {
+  return static_cast<unsigned>((items + per_block - 1) / per_block);
+}
+
+// One instantiation per serving dtype; `launch<T>` does the work.
+#define CLEF_GLUE_DISPATCH(launch, p, kind, stream)                   \
+  switch (kind) {                                                     \
+    case ScalarKind::F32: return launch<float>(p, stream);            \
+    case ScalarKind::F16: return launch<__half>(p, stream);           \
+    case ScalarKind::BF16: return launch<__nv_bfloat16>(p, stream);   \
+  }                                                                   \
+  return "glue: unknown dtype";
+
+template <typename T>
+static const char* launch_add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return nullptr;
+  auto* kernel = &add_rms_norm_kernel<T>;
+  CLEF_LAUNCH(kernel, static_cast<unsigned>(p.rows), kGlueThreads, 0, stream)(p);
+  return glue_error();
+}
+template <typename T>
+static const char* launch_silu_mul(const SiluMulParams& p, cudaStream_t stream) {
+  if (p.rows * p.cols == 0) return nullptr;
+  auto* kernel = &silu_mul_kernel<T>;
+  CLEF_LAUNCH(kernel, blocks_for(p.rows * p.cols, kGlueThreads), kGlueThreads, 0, stream)(p);
+  return glue_error();
+}
+template <typename T>
+static const char* launch_gated_rms_norm(const GatedRmsNormParams& p, cudaStream_t stream) {
+  if (p.tokens * p.heads == 0) return nullptr;
+  auto* kernel = &gated_rms_norm_kernel<T>;
+  CLEF_LAUNCH(kernel, blocks_for(p.tokens * p.heads, kGlueWarps), kGlueThreads, 0, stream)(p);
+  return glue_error();
+}
+template <typename T>
+static const char* launch_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream) {
+  if (p.tokens * p.heads == 0) return nullptr;
+  auto* kernel = &rms_norm_rope_kernel<T>;
+  CLEF_LAUNCH(kernel, blocks_for(p.tokens * p.heads, kGlueWarps), kGlueThreads, 0, stream)(p);
+  return glue_error();
+}
+template <typename T>
+static const char* launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream) {
+  const int64_t n = p.tokens * p.heads * p.dim;
+  if (n == 0) return nullptr;
+  auto* kernel = &sigmoid_gate_kernel<T>;
+  CLEF_LAUNCH(kernel, blocks_for(n, kGlueThreads), kGlueThreads, 0, stream)(p);
+  return glue_error();
+}
+
+const char* add_rms_norm_cuda(const AddRmsNormParams& p, ScalarKind kind, void* stream) {
+  CLEF_GLUE_DISPATCH(launch_add_rms_norm, p, kind, static_cast<cudaStream_t>(stream))
+}
+const char* silu_mul_cuda(const SiluMulParams& p, ScalarKind kind, void* stream) {
+  CLEF_GLUE_DISPATCH(launch_silu_mul, p, kind, static_cast<cudaStream_t>(stream))
+}
+const char* gated_rms_norm_cuda(const GatedRmsNormParams& p, ScalarKind kind, void* stream) {
+  CLEF_GLUE_DISPATCH(launch_gated_rms_norm, p, kind, static_cast<cudaStream_t>(stream))
+}
+const char* rms_norm_rope_cuda(const RmsNormRopeParams& p, ScalarKind kind, void* stream) {
+  CLEF_GLUE_DISPATCH(launch_rms_norm_rope, p, kind, static_cast<cudaStream_t>(stream))
+}
+const char* sigmoid_gate_cuda(const SigmoidGateParams& p, ScalarKind kind, void* stream) {
+  CLEF_GLUE_DISPATCH(launch_sigmoid_gate, p, kind, static_cast<cudaStream_t>(stream))
+}
+
+}  // namespace clef
