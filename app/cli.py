@@ -18,6 +18,7 @@ EXIT_USAGE = 2
 EXIT_PLAN_DOES_NOT_FIT = 3  # --plan: the release does not fit the memory planned for
 # What a failed on-device self-check (app.server) or shadow check (clef_cuda.serving.shadow) does.
 SELFCHECK_MODES = ("enforce", "warn", "off")
+AUTOTUNE_MODES = ("fast", "full", "off")  # clef_cuda.serving.autotune (kept here: the CLI imports no torch)
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
 
@@ -156,6 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="enforce",
         help="the on-device kernel self-check before /ready: enforce (a failure keeps the server unready and "
         "refuses decisions), warn (serve anyway, loudly), off",
+    )
+    p.add_argument(
+        "--autotune",
+        choices=AUTOTUNE_MODES,
+        default="fast",
+        help="time every self-checked implementation of each op at this model's shapes on this device at start-up "
+        "and run the fastest per call shape (fast: 6 buckets; full: more; off: the dispatch rule's kernels)",
+    )
+    p.add_argument(
+        "--autotune-cache",
+        default=str(Path.home() / ".cache" / "clef-cuda" / "autotune"),
+        help="directory caching the autotune's choices by device, driver, torch and package version ('' = none)",
     )
     p.add_argument(
         "--selfcheck-interval",
@@ -528,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         max_json_depth=args.max_json_depth,
         adapter_root=args.adapter_root if args.enable_adapter_loading else None,
         vllm_metric_aliases=args.vllm_metric_aliases,
+        autotune=args.autotune,
+        autotune_cache=args.autotune_cache or None,
     )
     app = create_app(settings, load_engine=lambda: make_engine(args))
     log.info("listening on %s:%d (model loading in the background; /ready says when it is done)", args.host, args.port)

@@ -148,6 +148,20 @@ class Metrics:
         )
         self._model_labels: set[str] = set()
 
+    def observe_autotune(self, report) -> None:
+        """The autotune's choices (clef_cuda.serving.autotune.AutotuneReport): one series per op and bucket,
+        labelled with the implementation chosen, value 1."""
+        if not hasattr(self, "kernel_choice"):
+            self.kernel_choice = Gauge(
+                "clef_kernel_choice",
+                "Always 1: the implementation the start-up autotune chose for an op and call-shape bucket",
+                ["op", "bucket", "impl"],
+                registry=self.registry,
+            )
+        for op, buckets in report.choices.items():
+            for bucket, impl in buckets.items():
+                self.kernel_choice.labels(op=op, bucket=bucket, impl=impl).set(1)
+
     def observe_selfcheck(self, report) -> None:
         """The on-device self-check's outcome (clef_cuda.serving.selfcheck.SelfCheckReport). The families exist only
         once a check ran: with --selfcheck off they are absent, not a misleading 0."""

@@ -40,6 +40,7 @@ from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLon
 from clef_cuda.model.adapters import AdapterError, check_variant_name
 from clef_cuda.request.images import ImageError
 from clef_cuda.request.routing import prefix_key
+from clef_cuda.serving.autotune import AutotuneReport, autotune
 from clef_cuda.serving.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
 from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
 
@@ -61,6 +62,10 @@ class ServerSettings:
     release_date: str = "2026-10-01"
     disconnect_poll_seconds: float = 0.05
     selfcheck: str = "enforce"  # enforce: a failed on-device self-check keeps /ready 503; warn: serve anyway; off
+    # The start-up autotune (clef_cuda.serving.autotune): fast, full or off (the CLI's default is fast), and
+    # where its choices are cached (None: not cached).
+    autotune: str = "off"
+    autotune_cache: str | None = None
     adapter_root: str | None = None  # set: runtime adapter loading is on, from under this directory only
     vllm_metric_aliases: bool = True  # the protocol gauges under vLLM's names too
     max_json_depth: int = 256  # deeper bodies are a 422 before they are parsed
@@ -76,6 +81,7 @@ class ServerState:
         self.error: str | None = None
         self.in_flight = 0  # decision requests being handled (a drain waits for them)
         self.selfcheck: SelfCheckReport | None = None
+        self.autotune: AutotuneReport | None = None
 
     def idle(self) -> bool:
         engine = self.engine
@@ -169,9 +175,23 @@ def create_app(
         state.status, state.error = "selfcheck_failed", f"the on-device kernel self-check {report.summary()}"
         return False
 
+    def tune(loaded: Engine) -> None:
+        """The fastest self-checked implementation per op and call shape, on this device (never fatal: a
+        failure leaves the dispatch rule's kernels)."""
+        try:
+            report = autotune(loaded.decider.trunk, loaded.config, settings.autotune, settings.autotune_cache)
+        except Exception:
+            log.exception("the autotune failed: serving on the default kernels")
+            return
+        if report is not None:
+            state.autotune = report
+            metrics.observe_autotune(report)
+            log.info("%s", report.table())
+
     def become_ready(loaded: Engine) -> None:
         if not passes_selfcheck(loaded):
             return  # never started: /ready stays 503 and decisions are refused, naming the failed checks
+        tune(loaded)
         if loaded.adapters is not None:  # the start-up loads (runtime ones are counted as they happen)
             metrics.adapter_loads.labels(result="ok").inc(loaded.adapters.loads["ok"])
         loaded.start()
@@ -489,6 +509,8 @@ def create_app(
         if engine is not None:
             stats = engine.shadow.stats
             body["shadow"] = {"match": stats.match, "mismatch": stats.mismatch, "dropped": stats.dropped}
+        if state.autotune is not None:
+            body["autotune"] = state.autotune.to_json()
         if state.status == "ready" and not failure:
             return JSONResponse(body)
         message = failure or (state.status if state.error is None else state.error)

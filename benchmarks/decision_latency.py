@@ -197,6 +197,9 @@ def main() -> int:
     parser.add_argument("--tokens", default="512,2048,8192")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-reference", action="store_true", help="time ours only (e.g. 9b on a GPU)")
+    parser.add_argument(
+        "--autotune", choices=["fast", "full", "off"], default="fast", help="as clef-serve: the start-up autotune"
+    )
     parser.add_argument("--markdown", help="append the table to this file")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -211,6 +214,12 @@ def main() -> int:
             ref_load = None if args.no_reference else load_footprint("reference", path, args.device, dtype)
             loads.append((name, ours_load, ref_load))
             decider = Decider.from_release(path, device=device, dtype=dtype, progress=False, max_length=16384)
+            if args.autotune != "off":  # as clef-serve does at start-up: the fastest checked kernels per call shape
+                from clef_cuda.serving.autotune import autotune
+                from clef_cuda.serving.engine import EngineConfig
+
+                config = EngineConfig(max_num_seqs=1, prefill_chunk_size=decider.options.chunk_size)
+                print(autotune(decider.trunk, config, args.autotune).table(), flush=True)
             reference = None
             if not args.no_reference:
                 from clef_finetune.jsm import load_jsm

@@ -15,6 +15,7 @@ and runs the same GEMM; the embedding lookup dequantizes the rows it gathers.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,9 @@ class ChunkBatch:
     context_lens: Tensor  # [B] int32: keys each sequence attends after this chunk is written
     override_rows: Tensor | None = None  # [M] int64 rows of the chunk whose embedding is replaced
     override_values: Tensor | None = None  # [M, hidden]
+    # Host copies of the pack's shape (no device-to-host copy needed): new tokens and context per sequence.
+    q_lens: tuple[int, ...] = ()
+    context_lengths: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], block_size: int, device) -> ChunkBatch:
@@ -97,6 +101,8 @@ class ChunkBatch:
             context_lens=tensor([c.start + len(c.token_ids) for c in chunks], torch.int32),
             override_rows=torch.cat(override_rows).to(device, non_blocking=True) if override_rows else None,
             override_values=torch.cat([v.to(device) for v in override_values]) if override_values else None,
+            q_lens=tuple(len(c.token_ids) for c in chunks),
+            context_lengths=tuple(c.start + len(c.token_ids) for c in chunks),
         )
 
 
@@ -179,6 +185,11 @@ class Trunk:
         ]
         quantized = [w for layer in self.layers for w in self._linear_weights(layer) if isinstance(w, Int8Weight)]
         self.scratch = DequantizeScratch(quantized, dtype, device) if quantized else None
+        # Set by the start-up autotune (clef_cuda.serving.autotune): batch -> the attention implementation
+        # to run, (query, key_cache, value_cache, batch) -> out. None: self.ops.paged_attention.
+        self.attention_choice: Callable[[ChunkBatch], Callable] | None = None
+        # int8 weights: "dequantize+gemm" (ours), or "int8pack_mm" (torch's CPU kernel) if the autotune chose it.
+        self.int8_matmul = "dequantize+gemm"
 
     @staticmethod
     def _linear_weights(layer: _LayerWeights) -> list[Weight]:
@@ -268,9 +279,10 @@ class Trunk:
         ).float()
 
     def with_ops(self, ops) -> Trunk:
-        """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.reference."""
+        """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.reference,
+        for every op (the autotune's choices are this trunk's, not the twin's)."""
         twin = copy.copy(self)
-        twin.ops = ops
+        twin.ops, twin.attention_choice, twin.int8_matmul = ops, None, "dequantize+gemm"
         return twin
 
     def _mix(
@@ -296,7 +308,9 @@ class Trunk:
     def _linear(self, x: Tensor, weight: Weight, lora: AdapterBatch | None, index: int, fused: str) -> Tensor:
         """A fused GEMM (an int8 weight dequantized first, by this trunk's ops), plus the variants' LoRA
         deltas on their rows' columns of it."""
-        if isinstance(weight, Int8Weight):
+        if isinstance(weight, Int8Weight) and self.int8_matmul == "int8pack_mm" and weight.dense_tail is None:
+            y = torch._weight_int8pack_mm(x, weight.qweight, weight.scale)
+        elif isinstance(weight, Int8Weight):
             with self.scratch.lock:
                 y = F.linear(x, self.scratch.weight(weight, self.ops))
         else:
@@ -371,8 +385,11 @@ class Trunk:
         k = self.ops.rms_norm_rope(k, w.k_scale, cos, sin, c.rms_norm_eps)
         key_cache, value_cache = cache.key_cache[i], cache.value_cache[i]
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
-        attn = self.ops.paged_attention(
-            q, key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables
-        )
+        if self.attention_choice is not None:
+            attn = self.attention_choice(batch)(q, key_cache, value_cache, batch)
+        else:
+            attn = self.ops.paged_attention(
+                q, key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables
+            )
         gated = self.ops.sigmoid_gate(attn, query_gate[..., d:])  # [N, Hq D]
         return self._linear(gated, w.o_proj, lora, index, "o_proj")

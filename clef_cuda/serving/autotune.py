@@ -1,0 +1,422 @@
+"""The start-up autotune: for each op with more than one implementation, every candidate that passes its
+check on this device is timed at the loaded model's shapes, and the fastest runs, per bucket of call shape.
+
+Which implementation is fastest depends on the device (our CPU attention wins on AVX-512 and loses to torch's
+SDPA on AVX2; a GPU's tensor-core kernel against cuDNN's), so the device decides. Ops and candidates:
+
+- paged_attention: ours (`ops.paged_attention`, the dispatch rule's kernel; on a GPU also the tensor-core
+  and SIMT kernels forced) and torch's SDPA on the context gathered from the pages, one candidate per
+  backend the build offers (clef_cuda.sdpa).
+- int8_linear (with --quantize int8 on the CPU): dequantize + GEMM (ours) and torch._weight_int8pack_mm.
+
+Buckets (`fast`): a prefill chunk at 1k, 4k and 16k tokens of context with one record, the same 1k chunk with
+--max-num-seqs records, a 64-token chunk after a 4k cached prefix, and a decode pack of --max-num-seqs
+records; `full` adds every kind at every context with both record counts. A batch runs the choice of the
+nearest bucket of its kind (decode, chunk after a prefix, prefill), by record count then context.
+
+A candidate is checked before it is timed: against the reference on a small pack (a chunk after a cached
+prefix, a fresh prefill, a decode token; GQA) within the self-check's tolerance, and at each bucket against
+ours, which the self-check proved; one that raises or fails is never chosen. The table (op, bucket,
+candidate, ms, what happened) is logged, returned by /ready and exported (clef_kernel_choice). Choices are
+cached on disk keyed by device name, driver, torch and package version, dtype, shapes and buckets, so a
+restart with the same key pays nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import clef_cuda
+from clef_cuda import ops, reference
+from clef_cuda.model.quantize import Int8Weight
+from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
+from clef_cuda.sdpa import SDPA_BACKENDS, paged_attention_sdpa
+from clef_cuda.serving.selfcheck import OP_RTOL
+
+log = logging.getLogger("clef_cuda.serving.autotune")
+
+AUTOTUNE_MODES = ("fast", "full", "off")
+REPEATS = {"fast": 3, "full": 7}
+BUDGET_SECONDS = {"fast": 20.0, "full": 120.0}  # a candidate is timed once only past this
+CPU_SDPA = ("sdpa-flash", "sdpa-math")  # what torch offers on the CPU
+
+
+@dataclass(frozen=True)
+class Bucket:
+    name: str
+    kind: str  # "prefill" | "chunk" (a short chunk after a cached prefix) | "decode"
+    records: int
+    q_len: int
+    context: int
+
+
+def call_kind(q_len: int, context: int) -> str:
+    if q_len <= 1:
+        return "decode"
+    return "chunk" if q_len <= 128 and context - q_len >= 4 * q_len else "prefill"
+
+
+def attention_buckets(mode: str, max_num_seqs: int, chunk: int, max_model_len: int) -> list[Bucket]:
+    contexts = [c for c in (1024, 4096, 16384) if c <= max_model_len] or [max_model_len]
+    many = max(1, max_num_seqs)
+    buckets = [Bucket(f"prefill {c // 1024}k", "prefill", 1, min(chunk, c), c) for c in contexts]
+    first = contexts[0]
+    buckets.append(Bucket(f"prefill {first // 1024}k x{many}", "prefill", many, min(chunk, first), first))
+    prefix = contexts[min(1, len(contexts) - 1)]
+    buckets.append(Bucket(f"chunk 64 after {prefix // 1024}k", "chunk", 1, 64, prefix))
+    buckets.append(Bucket(f"decode {contexts[0] // 1024}k x{many}", "decode", many, 1, contexts[0]))
+    if mode == "full":
+        for c in contexts:
+            buckets += [
+                Bucket(f"prefill {c // 1024}k x{many}", "prefill", many, min(chunk, c), c),
+                Bucket(f"chunk 64 after {c // 1024}k", "chunk", 1, 64, c),
+                Bucket(f"chunk 64 after {c // 1024}k x{many}", "chunk", many, 64, c),
+                Bucket(f"decode {c // 1024}k", "decode", 1, 1, c),
+                Bucket(f"decode {c // 1024}k x{many}", "decode", many, 1, c),
+            ]
+    unique = {b.name: b for b in buckets}
+    return list(unique.values())
+
+
+def nearest_bucket(buckets: list[Bucket], q_lens: tuple[int, ...], contexts: tuple[int, ...]) -> Bucket:
+    records, context = len(q_lens), max(contexts)
+    kind = call_kind(max(q_lens), context)
+    same = [b for b in buckets if b.kind == kind] or buckets
+
+    def distance(b: Bucket) -> tuple[float, float]:
+        return (abs(math.log(b.records) - math.log(records)), abs(math.log(b.context) - math.log(max(context, 1))))
+
+    return min(same, key=distance)
+
+
+# ---- candidates ---------------------------------------------------------------------------------
+AttentionImpl = Callable  # (query, key_cache, value_cache, batch: ChunkBatch) -> out
+
+
+def _ours(kernel: str) -> AttentionImpl:
+    def run(query, key_cache, value_cache, batch: ChunkBatch):
+        return ops.paged_attention(
+            query, key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables, kernel=kernel
+        )
+
+    return run
+
+
+def _sdpa(backend: str) -> AttentionImpl:
+    def run(query, key_cache, value_cache, batch: ChunkBatch):
+        return paged_attention_sdpa(
+            query, key_cache, value_cache, batch.block_tables, batch.q_lens, batch.context_lengths, backend=backend
+        )
+
+    return run
+
+
+def attention_candidates(device: torch.device) -> dict[str, AttentionImpl]:
+    candidates = {"ours": _ours("auto")}
+    if device.type == "cuda":
+        candidates |= {"ours-wmma": _ours("wmma"), "ours-simt": _ours("simt")}
+        candidates |= {name: _sdpa(name) for name in SDPA_BACKENDS}
+    else:
+        candidates |= {name: _sdpa(name) for name in CPU_SDPA}
+    return candidates
+
+
+# ---- the report ---------------------------------------------------------------------------------
+@dataclass
+class Row:
+    op: str
+    bucket: str
+    candidate: str
+    ms: float | None  # median; None: not timed
+    status: str  # "chosen", "ok", "failed its check: ...", "raised: ...", "slower than the budget allowed"
+
+
+@dataclass
+class AutotuneReport:
+    mode: str
+    key: dict
+    rows: list[Row] = field(default_factory=list)
+    choices: dict[str, dict[str, str]] = field(default_factory=dict)  # op -> bucket -> candidate
+    seconds: float = 0.0
+    cached: bool = False
+
+    def table(self) -> str:
+        lines = [
+            f"autotune ({self.mode}{', from the cache' if self.cached else ''}, {self.seconds:.1f} s):",
+            f"{'op':16s} {'bucket':24s} {'candidate':16s} {'ms':>9s}  result",
+        ]
+        for r in self.rows:
+            ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9s}"
+            lines.append(f"{r.op:16s} {r.bucket:24s} {r.candidate:16s} {ms}  {r.status}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "mode": self.mode,
+            "cached": self.cached,
+            "seconds": round(self.seconds, 3),
+            "choices": self.choices,
+            "rows": [asdict(r) for r in self.rows],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, key: dict) -> AutotuneReport:
+        report = cls(data["mode"], key, [Row(**r) for r in data["rows"]], data["choices"], data["seconds"], True)
+        return report
+
+
+class AttentionPolicy:
+    """trunk.attention_choice: the candidate chosen for the batch's nearest bucket."""
+
+    def __init__(self, buckets: list[Bucket], choices: dict[str, str], candidates: dict[str, AttentionImpl]):
+        self.buckets = [b for b in buckets if b.name in choices]
+        self.impl = {b.name: candidates[choices[b.name]] for b in self.buckets}
+        self.fallback = candidates["ours"]
+
+    def __call__(self, batch: ChunkBatch) -> AttentionImpl:
+        if not self.buckets or not batch.q_lens:
+            return self.fallback
+        return self.impl[nearest_bucket(self.buckets, batch.q_lens, batch.context_lengths).name]
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device, candidate: str = "") -> float:
+    """Median wall time of fn() over `repeats` runs after a warm-up, synchronised on a GPU (`candidate`
+    names what is timed, for tests that inject timings)."""
+    fn()  # warm-up (first-use set-up, caches)
+    _synchronize(device)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
+
+
+def _raised(error: BaseException) -> str:
+    return f"raised: {str(error).splitlines()[0][:80] if str(error) else type(error).__name__}"
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> bool:
+    actual, expected = actual.float(), expected.float()
+    if not torch.isfinite(actual).all():
+        return False
+    return float((actual - expected).abs().max()) <= rtol * float(expected.abs().max().clamp_min(1e-30))
+
+
+class _AttentionCase:
+    """A pack of sequences, (new tokens, context) each, their caches filled with random keys and values,
+    every sequence's blocks scattered through the pool."""
+
+    def __init__(self, trunk: Trunk, shape: list[tuple[int, int]], block_size: int, generator) -> None:
+        c, device, dtype = trunk.config, trunk.embed.device, trunk.dtype
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        needed = [-(-context // block_size) for _, context in shape]
+        order = torch.randperm(sum(needed), generator=generator).tolist()
+        chunks, cursor = [], 0
+        for (q_len, context), count in zip(shape, needed, strict=True):
+            chunks.append(SequenceChunk([0] * q_len, context - q_len, -1, order[cursor : cursor + count]))
+            cursor += count
+        self.batch = ChunkBatch.build(chunks, block_size, device)
+
+        def randn(*size):
+            return torch.randn(*size, generator=generator).to(device=device, dtype=dtype)
+
+        self.key_cache = randn(sum(needed), block_size, hkv, d)
+        self.value_cache = randn(sum(needed), block_size, hkv, d)
+        self.query = randn(sum(q for q, _ in shape), hq, d)
+
+    @classmethod
+    def of(cls, trunk: Trunk, bucket: Bucket, block_size: int, generator) -> _AttentionCase:
+        return cls(trunk, [(bucket.q_len, bucket.context)] * bucket.records, block_size, generator)
+
+    def run(self, impl: AttentionImpl) -> torch.Tensor:
+        return impl(self.query, self.key_cache, self.value_cache, self.batch)
+
+    def reference(self) -> torch.Tensor:
+        b = self.batch
+        return reference.paged_attention(
+            self.query, self.key_cache, self.value_cache, b.cu_seqlens, b.context_lens, b.block_tables
+        )
+
+
+# The check every candidate passes first: a chunk after a cached prefix, a fresh prefill, a decode token.
+VERIFICATION_PACK = [(24, 90), (17, 17), (1, 41)]
+
+
+def tune_attention(trunk: Trunk, buckets: list[Bucket], mode: str, block_size: int, report: AutotuneReport) -> None:
+    device, rtol = trunk.embed.device, OP_RTOL.get(trunk.dtype, OP_RTOL[torch.bfloat16])
+    generator = torch.Generator().manual_seed(0)
+    candidates = attention_candidates(device)
+    eligible = {}
+    verify = _AttentionCase(trunk, VERIFICATION_PACK, block_size, generator)
+    expected = verify.reference()
+    for name, impl in candidates.items():
+        try:
+            if _close(verify.run(impl), expected, 2 * rtol):
+                eligible[name] = impl
+            else:
+                report.rows.append(Row("paged_attention", "verify", name, None, "failed its check: the reference"))
+        except Exception as error:  # a backend this build or device lacks
+            report.rows.append(Row("paged_attention", "verify", name, None, _raised(error)))
+    if "ours" not in eligible:  # the self-check said otherwise; keep ours and say so
+        report.rows.append(Row("paged_attention", "verify", "ours", None, "kept: the self-check proved it"))
+        eligible["ours"] = candidates["ours"]
+    started = time.monotonic()
+    choices = report.choices.setdefault("paged_attention", {})
+    for bucket in buckets:
+        case = _AttentionCase.of(trunk, bucket, block_size, generator)
+        ours = case.run(eligible["ours"])
+        timings: dict[str, float] = {}
+        for name, impl in eligible.items():
+            try:
+                if name != "ours" and not _close(case.run(impl), ours, 2 * rtol):
+                    report.rows.append(Row("paged_attention", bucket.name, name, None, "failed its check: ours"))
+                    continue
+                repeats = REPEATS[mode] if time.monotonic() - started < BUDGET_SECONDS[mode] else 1
+                timings[name] = _median_ms(lambda impl=impl, case=case: case.run(impl), repeats, device, name)
+            except Exception as error:
+                report.rows.append(Row("paged_attention", bucket.name, name, None, _raised(error)))
+        chosen = min(timings, key=timings.get)
+        choices[bucket.name] = chosen
+        for name, ms in timings.items():
+            report.rows.append(Row("paged_attention", bucket.name, name, ms, "chosen" if name == chosen else "ok"))
+
+
+def tune_int8_linear(trunk: Trunk, config, mode: str, report: AutotuneReport) -> None:
+    """CPU with int8 weights: dequantize + GEMM against torch._weight_int8pack_mm, at a prefill step's rows
+    and a decode pack's, on the trunk's largest quantized weight without a dense tail."""
+    weights = [w for layer in trunk.layers for w in trunk._linear_weights(layer) if isinstance(w, Int8Weight)]
+    plain = [w for w in weights if w.dense_tail is None]
+    if not plain or trunk.embed.device.type != "cpu" or trunk.dtype != torch.float32:
+        return
+    weight = max(plain, key=lambda w: w.qweight.numel())
+    generator = torch.Generator().manual_seed(1)
+    choices = report.choices.setdefault("int8_linear", {})
+    dense = weight.dequantize(ops)
+    for name, rows in (("prefill", config.max_num_seqs * config.prefill_chunk_size), ("decode", config.max_num_seqs)):
+        x = torch.randn(min(rows, 4096), weight.shape[1], generator=generator)
+        expected = torch.nn.functional.linear(x, dense)
+        candidates = {
+            "dequantize+gemm": lambda x=x: torch.nn.functional.linear(x, weight.dequantize(ops)),
+            "int8pack_mm": lambda x=x: torch._weight_int8pack_mm(x, weight.qweight, weight.scale),
+        }
+        timings = {}
+        for candidate, fn in candidates.items():
+            try:
+                if not _close(fn(), expected, 1e-4):
+                    report.rows.append(Row("int8_linear", name, candidate, None, "failed its check"))
+                    continue
+                timings[candidate] = _median_ms(fn, REPEATS[mode], trunk.embed.device, candidate)
+            except Exception as error:
+                report.rows.append(Row("int8_linear", name, candidate, None, _raised(error)))
+        chosen = min(timings, key=timings.get)
+        choices[name] = chosen
+        for candidate, ms in timings.items():
+            report.rows.append(Row("int8_linear", name, candidate, ms, "chosen" if candidate == chosen else "ok"))
+
+
+# ---- the cache and the entry point --------------------------------------------------------------------
+def cache_key(trunk: Trunk, config, mode: str, buckets: list[Bucket]) -> dict:
+    """What makes a tuning valid: the device and its software, the model's attention shapes, the buckets."""
+    device = trunk.embed.device
+    if device.type == "cuda":
+        where = {"device": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+        with_driver = getattr(torch.cuda, "driver_version", None)
+        where["driver"] = str(with_driver() if callable(with_driver) else torch._C._cuda_getDriverVersion())
+    else:
+        where = {"device": f"cpu {platform.processor() or platform.machine()}", "cpu_isa": ops.cpu_isa()}
+        where["cpu_model"] = _cpu_model()
+        where["threads"] = torch.get_num_threads()
+    c = trunk.config
+    return where | {
+        "torch": torch.__version__,
+        "clef_cuda": clef_cuda.__version__,
+        "mode": mode,
+        "dtype": str(trunk.dtype),
+        "quantized": trunk.quantized,
+        "shapes": [c.num_attention_heads, c.num_key_value_heads, c.head_dim, config.block_size],
+        "buckets": [asdict(b) for b in buckets],
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_file(directory: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return directory / f"autotune-{digest}.json"
+
+
+def autotune(trunk: Trunk, config, mode: str = "fast", cache_dir: str | Path | None = None) -> AutotuneReport | None:
+    """Tune `trunk` for an engine with `config` (EngineConfig), install the choices on it (trunk.attention_choice)
+    and return the report; None for mode "off". A cache file with the same key is used instead of timing."""
+    if mode not in AUTOTUNE_MODES:
+        raise ValueError(f"--autotune must be one of {', '.join(AUTOTUNE_MODES)}, got {mode!r}")
+    if mode == "off":
+        return None
+    buckets = attention_buckets(mode, config.max_num_seqs, config.prefill_chunk_size, config.max_model_len)
+    key = cache_key(trunk, config, mode, buckets)
+    path = _cache_file(Path(cache_dir), key) if cache_dir else None
+    report = None
+    if path is not None and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                report = AutotuneReport.from_json(data["report"], key)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            log.warning("autotune cache %s is unreadable (%s): tuning again", path, error)
+    if report is None:
+        started = time.monotonic()
+        report = AutotuneReport(mode, key)
+        with torch.inference_mode():
+            tune_attention(trunk, buckets, mode, config.block_size, report)
+            if trunk.quantized:
+                tune_int8_linear(trunk, config, mode, report)
+        report.seconds = time.monotonic() - started
+        if path is not None:
+            _write(path, {"key": key, "report": report.to_json()})
+    install(trunk, report, buckets)
+    return report
+
+
+def install(trunk: Trunk, report: AutotuneReport, buckets: list[Bucket]) -> None:
+    attention = report.choices.get("paged_attention", {})
+    trunk.attention_choice = AttentionPolicy(buckets, attention, attention_candidates(trunk.embed.device))
+    int8 = report.choices.get("int8_linear", {})
+    trunk.int8_matmul = "int8pack_mm" if int8.get("prefill") == "int8pack_mm" else "dequantize+gemm"
+
+
+def _write(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as error:  # a read-only home in a container: tune again next time
+        log.warning("the autotune cache %s could not be written (%s)", path, error)

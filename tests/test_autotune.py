@@ -1,0 +1,186 @@
+"""The start-up autotune (clef_cuda.serving.autotune): with injected timings it picks the fastest candidate per
+bucket, never one that failed its check or raised; it reuses its cache and ignores one from another device
+or version; a batch runs its nearest bucket's choice; decisions agree with the reference whichever candidate
+runs; /ready and /metrics show the choices; the SDPA candidate against the reference on awkward packs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from parity import PARITY_BOUND
+from prometheus_client.parser import text_string_to_metric_families
+from random_requests import random_request
+from releases import mid_release, tiny_release
+from test_paged_attention import cu_seqlens_of, fill_context, make_cache
+
+from app.server import ServerSettings, create_app
+from clef_cuda import Decider, reference
+from clef_cuda.model.default_model import default_release
+from clef_cuda.sdpa import paged_attention_sdpa
+from clef_cuda.serving import autotune as tuning
+from clef_cuda.serving.engine import Engine, EngineConfig
+
+CONFIG = EngineConfig(max_model_len=4096, kv_fraction=0.05, prefill_chunk_size=256, max_num_seqs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Decider.from_release(default_release(), device="cpu", progress=False)
+
+
+def fake_timings(monkeypatch, ms_by_candidate: dict[str, float]) -> None:
+    """_median_ms runs the candidate once and returns its injected time."""
+
+    def median(fn, repeats, device, candidate):
+        fn()
+        return ms_by_candidate[candidate]
+
+    monkeypatch.setattr(tuning, "_median_ms", median)
+
+
+def test_the_fastest_candidate_is_chosen_for_every_bucket(tiny, monkeypatch):
+    fake_timings(monkeypatch, {"ours": 5.0, "sdpa-flash": 2.0, "sdpa-math": 9.0})
+    report = tuning.autotune(tiny.trunk, CONFIG, "fast", None)
+    assert set(report.choices["paged_attention"].values()) == {"sdpa-flash"}
+    chosen = [r for r in report.rows if r.status == "chosen"]
+    assert len(chosen) == len(report.choices["paged_attention"]) and all(r.candidate == "sdpa-flash" for r in chosen)
+    assert "sdpa-flash" in report.table()
+
+
+def test_a_candidate_that_fails_its_check_or_raises_is_never_chosen(tiny, monkeypatch):
+    real = tuning.attention_candidates
+
+    def with_bad_ones(device):
+        found = real(device)
+
+        def wrong(query, key_cache, value_cache, batch):
+            return found["ours"](query, key_cache, value_cache, batch) * 1.01
+
+        def raises(*args):
+            raise RuntimeError("no kernel image is available for execution on the device")
+
+        return found | {"wrong": wrong, "raises": raises}
+
+    monkeypatch.setattr(tuning, "attention_candidates", with_bad_ones)
+    # The broken ones would be the fastest: only their checks keep them out.
+    fake_timings(monkeypatch, {"wrong": 0.1, "raises": 0.1, "ours": 5.0, "sdpa-flash": 6.0, "sdpa-math": 7.0})
+    report = tuning.autotune(tiny.trunk, CONFIG, "fast", None)
+    assert not {"wrong", "raises"} & set(report.choices["paged_attention"].values())
+    rows = {(r.candidate, r.status.split(":")[0]) for r in report.rows if r.bucket == "verify"}
+    assert ("wrong", "failed its check") in rows and ("raises", "raised") in rows
+
+
+def test_the_cache_is_reused_and_another_devices_is_ignored(tiny, tmp_path, monkeypatch):
+    first = tuning.autotune(tiny.trunk, CONFIG, "fast", tmp_path)
+    assert not first.cached and len(list(tmp_path.glob("autotune-*.json"))) == 1
+    monkeypatch.setattr(tuning, "_median_ms", lambda *a: pytest.fail("timed although cached"))
+    again = tuning.autotune(tiny.trunk, CONFIG, "fast", tmp_path)
+    assert again.cached and again.choices == first.choices
+    (path,) = tmp_path.glob("autotune-*.json")
+    data = json.loads(path.read_text())
+    data["key"]["torch"] = "0.0.1"  # another version's file under this key's name: ignored, tuned again
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate: 1.0)
+    assert not tuning.autotune(tiny.trunk, CONFIG, "fast", tmp_path).cached
+    other = tuning.cache_key(tiny.trunk, CONFIG, "fast", tuning.attention_buckets("fast", 2, 256, 4096))
+    assert tuning._cache_file(tmp_path, other | {"device": "another cpu"}) != path
+
+
+def test_a_batch_runs_its_nearest_buckets_choice():
+    buckets = tuning.attention_buckets("fast", 4, 1024, 16384)
+    names = {b.name for b in buckets}
+    assert {"prefill 1k", "prefill 4k", "prefill 16k", "prefill 1k x4", "chunk 64 after 4k", "decode 1k x4"} == names
+
+    def nearest(q_lens, contexts):
+        return tuning.nearest_bucket(buckets, tuple(q_lens), tuple(contexts)).name
+
+    assert nearest([1024], [1024]) == "prefill 1k" and nearest([700], [6000]) == "prefill 4k"
+    assert nearest([512], [30000]) == "prefill 16k" and nearest([256, 256, 100], [300, 600, 100]) == "prefill 1k x4"
+    assert nearest([64], [5000]) == "chunk 64 after 4k" and nearest([1, 1, 1], [40, 900, 3]) == "decode 1k x4"
+
+
+@pytest.mark.parametrize("release", ["upstream-tiny", "mid"])
+def test_decisions_agree_with_the_reference_whichever_candidate_runs(release):
+    from parity import reference_response  # noqa: F401  (the bound's module)
+    from releases import reference_model
+    from test_decider import reference_probabilities
+
+    path = {"upstream-tiny": tiny_release, "mid": mid_release}[release]()
+    decider = Decider.from_release(path, device="cpu", progress=False)
+    jsm, model, processor = reference_model(path)
+    requests = [random_request(random.Random(seed), state_words=(50, 300)) for seed in range(3)]
+    expected = [reference_probabilities(jsm, model, processor, r)[1] for r in requests]
+    for candidate in tuning.attention_candidates(decider.device):
+        policy = tuning.attention_candidates(decider.device)[candidate]
+        decider.trunk.attention_choice = lambda batch, impl=policy: impl
+        for request, want in zip(requests, expected, strict=True):
+            got = decider.probabilities(decider.encode(request))
+            worst = max(abs(a - b) for p, q in zip(got, want, strict=True) for a, b in zip(p, q, strict=True))
+            assert worst < PARITY_BOUND, (candidate, worst)
+    decider.trunk.attention_choice = None
+
+
+def test_ready_and_metrics_show_the_choices(tiny):
+    engine = Engine(tiny, CONFIG)
+    with TestClient(create_app(ServerSettings(autotune="fast"), engine=engine)) as client:
+        body = client.get("/ready").json()
+        text = client.get("/metrics").text
+    assert body["autotune"]["choices"]["paged_attention"] and body["autotune"]["rows"]
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "clef_kernel_choice"]
+    chosen = {(s.labels["bucket"], s.labels["impl"]) for s in samples}
+    assert chosen == {(b, i) for b, i in body["autotune"]["choices"]["paged_attention"].items()}
+    assert engine.decider.trunk.attention_choice is not None
+
+
+def test_the_modes_the_cli_offers_are_the_autotunes():
+    from app.cli import AUTOTUNE_MODES
+
+    assert AUTOTUNE_MODES == tuning.AUTOTUNE_MODES
+    with pytest.raises(ValueError, match="--autotune must be one of"):
+        tuning.autotune(None, CONFIG, "sometimes")
+
+
+@pytest.mark.parametrize("backend", ["sdpa-flash", "sdpa-math"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sdpa_candidate_matches_the_reference(backend, dtype):
+    """Chunks after a cached prefix, fresh prefills, decode tokens, empty sequences; GQA 1, 2 and 4; block
+    sizes 4 and 16; the pages scattered and NaN between contexts."""
+    sequences = [(9, 9), (3, 40), (1, 17), (0, 5), (20, 70)]
+    for hq, hkv, d, block_size in [(4, 1, 64, 16), (4, 2, 32, 4), (2, 2, 16, 4)]:
+        key_cache, value_cache, tables = make_cache(sequences, hkv, d, block_size, dtype, "cpu")
+        fill_context(sequences, key_cache, value_cache, tables, dtype, "cpu")
+        query = torch.randn(sum(q for q, _ in sequences), hq, d, dtype=dtype)
+        cu = cu_seqlens_of([q for q, _ in sequences])
+        lens = torch.tensor([c for _, c in sequences], dtype=torch.int32)
+        q_lens, contexts = tuple(q for q, _ in sequences), tuple(c for _, c in sequences)
+        out = paged_attention_sdpa(query, key_cache, value_cache, tables, q_lens, contexts, backend=backend)
+        expected = reference.paged_attention(query, key_cache, value_cache, cu, lens, tables)
+        assert torch.isfinite(out).all()
+        assert float((out.float() - expected.float()).abs().max()) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_int8_linear_takes_the_faster_checked_candidate_and_answers_the_same(monkeypatch):
+    """With int8 weights on the CPU, torch._weight_int8pack_mm competes with dequantize + GEMM: injected as
+    the faster one it is chosen and installed, and the decisions stay those of dequantize + GEMM (the same
+    int8 weights and scales; only the summation order differs)."""
+    decider = Decider.from_release(mid_release(), device="cpu", progress=False, quantize="int8")
+    requests = [random_request(random.Random(seed), state_words=(50, 200)) for seed in range(2)]
+    before = [decider.probabilities(decider.encode(r)) for r in requests]
+    fake_timings(
+        monkeypatch, {"dequantize+gemm": 2.0, "int8pack_mm": 1.0, "ours": 1.0, "sdpa-flash": 2.0, "sdpa-math": 3.0}
+    )
+    report = tuning.autotune(decider.trunk, CONFIG, "fast", None)
+    assert report.choices["int8_linear"] == {"prefill": "int8pack_mm", "decode": "int8pack_mm"}
+    assert decider.trunk.int8_matmul == "int8pack_mm"
+    after = [decider.probabilities(decider.encode(r)) for r in requests]
+    worst = max(
+        abs(a - b)
+        for x, y in zip(before, after, strict=True)
+        for p, q in zip(x, y, strict=True)
+        for a, b in zip(p, q, strict=True)
+    )
+    assert worst < PARITY_BOUND, worst
