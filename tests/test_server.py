@@ -112,7 +112,8 @@ def test_unknown_model_is_404(client):
 
 
 def test_unknown_path_and_method(client):
-    assert_error(client.get("/v1/nothing"), 404, "not_found_error")
+    assert_error(client.get("/v1/nothing", headers=AUTH), 404, "not_found_error")
+    assert_error(client.get("/v1/nothing"), 401, "authentication_error")  # with a key set, /v1 is closed
     assert_error(client.get("/v1/systemone", headers=AUTH), 405, "method_not_allowed")
 
 
