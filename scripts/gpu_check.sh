@@ -5,7 +5,8 @@
 # the tensor-core attention kernel's); runs the whole test suite (the CUDA backend joins every op test when
 # a GPU is present) and the on-device self-check in each dtype, with int8 weights, and at clef-flash's
 # shapes (gating: the tensor-core kernel at head dim 256); then times the ops ($OUT/gpu_table.md) and
-# attention prefill, our WMMA and SIMT kernels against SDPA's backends plus one trunk step split by op
+# the start-up autotune's table at clef-flash's shapes ($OUT/autotune.md), attention prefill, our WMMA
+# and SIMT kernels against SDPA's backends plus one trunk step split by op
 # ($OUT/attention_table.md) and at 16k with one record ($OUT/attention_16k.md, printed last), and runs one
 # Nsight Compute pass on the WMMA kernel when ncu exists ($OUT/ncu_wmma.txt).
 #
@@ -97,6 +98,9 @@ step "shadow verification's healthy differences on this GPU (the tolerance is me
 $PY benchmarks/shadow_tolerance.py --device cuda --dtypes f16,bf16 --records 20 2>&1 | tail -12 \
   | tee "$OUT/shadow_tolerance.txt" || true
 
+step "the start-up autotune on this GPU: every checked candidate timed per bucket, at clef-flash's shapes"
+$PY benchmarks/autotune_table.py --device cuda --dtype f16 --flash --mode full 2>&1 | tee "$OUT/autotune.md" | tail -40 || true
+
 step "benchmarks: the ops"
 rm -f "$OUT/gpu_table.md" "$OUT/attention_table.md"
 $PY benchmarks/kernel_table.py --device cuda --markdown "$OUT/gpu_table.md" 2>&1 | grep -v "^|" | grep -v "^###" || true
@@ -127,4 +131,6 @@ echo
 cat "$OUT/attention_table.md" 2>/dev/null || echo "(no attention table: see above)"
 echo
 cat "$OUT/attention_16k.md" 2>/dev/null || echo "(no 16k attention table: see above)"
+echo
+cat "$OUT/autotune.md" 2>/dev/null || echo "(no autotune table: see above)"
 [ "$blocking_status" = 0 ] && [ "$sanitizer_status" != 1 ] && [ "$tests_status" = 0 ] && [ "$selfcheck_status" = 0 ]

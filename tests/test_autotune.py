@@ -35,7 +35,7 @@ def tiny():
 def fake_timings(monkeypatch, ms_by_candidate: dict[str, float]) -> None:
     """_median_ms runs the candidate once and returns its injected time."""
 
-    def median(fn, repeats, device, candidate):
+    def median(fn, repeats, device, candidate, **_):
         fn()
         return ms_by_candidate[candidate]
 
@@ -84,7 +84,7 @@ def test_the_cache_is_reused_and_another_devices_is_ignored(tiny, tmp_path, monk
     data = json.loads(path.read_text())
     data["key"]["torch"] = "0.0.1"  # another version's file under this key's name: ignored, tuned again
     path.write_text(json.dumps(data))
-    monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate: 1.0)
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate, **_: 1.0)
     assert not tuning.autotune(tiny.trunk, CONFIG, "fast", tmp_path).cached
     other = tuning.cache_key(tiny.trunk, CONFIG, "fast", tuning.attention_buckets("fast", 2, 256, 4096))
     assert tuning._cache_file(tmp_path, other | {"device": "another cpu"}) != path
@@ -184,3 +184,13 @@ def test_int8_linear_takes_the_faster_checked_candidate_and_answers_the_same(mon
         for a, b in zip(p, q, strict=True)
     )
     assert worst < PARITY_BOUND, worst
+
+
+def test_past_the_budget_the_remaining_buckets_keep_ours_untimed(tiny, monkeypatch):
+    """Start-up stays bounded on a slow device: once the mode's budget is spent, no more timing."""
+    monkeypatch.setitem(tuning.BUDGET_SECONDS, "fast", 0.0)
+    fake_timings(monkeypatch, {"ours": 5.0, "sdpa-flash": 1.0, "sdpa-math": 9.0})
+    report = tuning.autotune(tiny.trunk, CONFIG, "fast", None)
+    assert set(report.choices["paged_attention"].values()) == {"ours"}
+    untimed = [r for r in report.rows if r.status.startswith("chosen untimed: past the fast budget")]
+    assert len(untimed) == len(report.choices["paged_attention"]) and all(r.ms is None for r in untimed)
