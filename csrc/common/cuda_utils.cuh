@@ -25,6 +25,10 @@
 #ifndef CLEF_CHECK_ALIGNED
 #define CLEF_CHECK_ALIGNED(ptr, bytes, what)
 #endif
+// Named barrier: the simulator models it as a barrier of its own per (block, id).
+#ifndef CLEF_BAR_SYNC
+#define CLEF_BAR_SYNC(id, threads) asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory")
+#endif
 
 namespace clef {
 
@@ -55,5 +59,21 @@ __device__ __forceinline__ void zero16(void* dst) {
   CLEF_CHECK_ALIGNED(dst, 16, "16-byte store");
   *static_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
 }
+
+// The two halves of copy16, for a copy that waits in registers while other work runs.
+__device__ __forceinline__ uint4 load16(const void* src) {
+  CLEF_CHECK_ALIGNED(src, 16, "16-byte load");
+  return *static_cast<const uint4*>(src);
+}
+
+__device__ __forceinline__ void store16(void* dst, uint4 value) {
+  CLEF_CHECK_ALIGNED(dst, 16, "16-byte store");
+  *static_cast<uint4*>(dst) = value;
+}
+
+// Barrier `id` (1..15: 0 is __syncthreads') over `threads` threads, a multiple of 32: warps that share
+// work wait for each other without holding up the rest of the CTA. Every participant passes the same
+// count; the memory ordering is __syncthreads' among them.
+__device__ __forceinline__ void bar_sync(int id, int threads) { CLEF_BAR_SYNC(id, threads); }
 
 }  // namespace clef

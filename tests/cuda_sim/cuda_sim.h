@@ -1,21 +1,25 @@
 // Test-only CUDA simulator: runs the project's CUDA kernels and launchers, unmodified, on the CPU.
 //
 // Each CUDA thread of a block is a real std::thread; blocks run one after another. __syncthreads,
-// __syncwarp, the warp shuffles and the warp-wide WMMA operations (wmma_sim.h) are real barriers, so the
+// __syncwarp, named barriers (bar.sync id, count: one barrier per block and id over exactly that count),
+// the warp shuffles and votes and the warp-wide WMMA operations (wmma_sim.h) are real barriers, so the
 // kernels' thread mapping, shared-memory tiling and synchronisation are what the tests exercise; a barrier
-// that not every thread reaches is reported as a deadlock instead of hanging. Dynamic shared memory is
+// that not every thread reaches is reported as a deadlock instead of hanging (as soon as every thread
+// still running waits at a barrier). Dynamic shared memory is
 // NaN-poisoned per block (every 4-byte word 0x7fff7fff: NaN as fp32 and as both of its f16 or bf16
 // halves), so reading a slot no thread wrote shows up in the results. What a GPU would fault on is
 // checked: misaligned 16-byte and WMMA accesses, more than 48 KB of dynamic shared memory without the
 // kernel's opt-in, more than the simulated compute capability's opt-in limit with it. The device has a
 // compute capability tests can set (default 8.0): the launchers' dispatch rules and tile choices read it,
-// and so does the shared-memory limit (48 KB sm_60/61 ... 227 KB sm_90). This is not a product code path:
+// and so does the shared-memory limit (48 KB sm_60/61 ... 227 KB sm_90); and an SM count (default 80).
+// This is not a product code path:
 // tests/cuda_sim/build.py compiles it into a separate module whose ops live in torch.ops.clef_sim.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -60,6 +64,7 @@ enum cudaDeviceAttr {
   cudaDevAttrComputeCapabilityMajor = 75,
   cudaDevAttrComputeCapabilityMinor = 76,
   cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+  cudaDevAttrMultiProcessorCount = 16,
 };
 inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
@@ -74,6 +79,9 @@ constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
 // set between launches only.
 inline int compute_capability = 80;
 inline std::string active_fault;
+// SMs of the simulated device (torch.ops.clef_sim.set_multiprocessor_count): a V100's 80, so that the
+// small grids tests can afford in the simulator are the ones a launcher sizes its work up for.
+inline int multiprocessor_count = 80;
 
 // The most shared memory one block may have on the simulated device, with the opt-in
 // (cudaDevAttrMaxSharedMemoryPerBlockOptin; CUDA C++ Programming Guide, "Compute Capabilities"):
@@ -99,27 +107,59 @@ inline void check_aligned(const void* ptr, size_t bytes, const char* what) {
                              std::to_string(bytes) + "-byte alignment)");
 }
 
+inline thread_local int current_thread = 0;
+
+// What the other threads of a block see once one has failed: the launch reports that thread's error.
+struct BlockAborted : std::runtime_error {
+  BlockAborted() : std::runtime_error("simulated CUDA: block aborted") {}
+};
+
+// Where each thread of a block waits, so that a barrier no thread can complete is reported as soon as
+// every thread still running waits at one (a named barrier with a count its participants never reach, a
+// __syncthreads some threads skip) instead of after the 30-second timeout. A thread is stuck while the
+// barrier it waits at has not moved past the generation it arrived in; the block is deadlocked when
+// every thread is stuck or exited in two checks a wait slice apart with nothing changed between them
+// (one check could read a thread as stuck just before another releases it).
+class DeadlockWatch {
+ public:
+  explicit DeadlockWatch(int threads) : waits_(new Wait[threads]), threads_(threads) {}
+  void waiting(const std::atomic<uint64_t>* barrier_generation, uint64_t arrived_in) {
+    Wait& w = waits_[current_thread];
+    w.arrived_in.store(arrived_in);
+    w.barrier_generation.store(barrier_generation);
+  }
+  void running() { waits_[current_thread].barrier_generation.store(nullptr); }
+  void exited(int thread) { waits_[thread].exited.store(true); }
+  // (barrier, generation) per thread when every thread is stuck or exited; empty when one can still run.
+  std::vector<std::pair<const void*, uint64_t>> stuck() const {
+    std::vector<std::pair<const void*, uint64_t>> where(threads_);
+    for (int t = 0; t < threads_; ++t) {
+      if (waits_[t].exited.load()) continue;
+      const std::atomic<uint64_t>* barrier = waits_[t].barrier_generation.load();
+      const uint64_t arrived_in = waits_[t].arrived_in.load();
+      if (barrier == nullptr || barrier->load() != arrived_in) return {};
+      where[t] = {barrier, arrived_in};
+    }
+    return where;
+  }
+
+ private:
+  struct Wait {
+    std::atomic<const std::atomic<uint64_t>*> barrier_generation{nullptr};
+    std::atomic<uint64_t> arrived_in{0};
+    std::atomic<bool> exited{false};
+  };
+  std::unique_ptr<Wait[]> waits_;
+  int threads_;
+};
+
 class Barrier {
  public:
-  explicit Barrier(int participants) : participants_(participants) {}
-  void arrive_and_wait(const char* what) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (broken_) throw std::runtime_error("simulated CUDA: block aborted");
-    const uint64_t generation = generation_;
-    if (++arrived_ == participants_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return;
-    }
-    const bool released = cv_.wait_for(lock, std::chrono::seconds(30), [&] { return generation_ != generation || broken_; });
-    if (!released) {
-      broken_ = true;
-      cv_.notify_all();
-      throw std::runtime_error(std::string("simulated CUDA deadlock: not every thread reached ") + what);
-    }
-    if (broken_) throw std::runtime_error("simulated CUDA: block aborted");
-  }
+  Barrier(int participants, DeadlockWatch* watch) : participants_(participants), watch_(watch) {}
+  void arrive_and_wait(const char* what) { arrive(what, participants_); }
+  // A barrier whose participant count comes with each arrival (bar.sync id, count): the first arrival of
+  // a generation sets it, and every later one must pass the same.
+  void arrive_counted(const char* what, int count) { arrive(what, count, true); }
   void abort() {
     std::lock_guard<std::mutex> lock(mutex_);
     broken_ = true;
@@ -127,29 +167,83 @@ class Barrier {
   }
 
  private:
+  void arrive(const char* what, int count, bool counted = false) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (broken_) throw BlockAborted();
+    if (counted && arrived_ == 0) participants_ = count;
+    if (counted && count != participants_)
+      throw std::runtime_error(std::string("simulated CUDA: ") + what + " with " + std::to_string(count) +
+                               " threads, while others wait at it for " + std::to_string(participants_));
+    const uint64_t generation = generation_.load();
+    if (++arrived_ == participants_) {
+      arrived_ = 0;
+      generation_.store(generation + 1);
+      cv_.notify_all();
+      return;
+    }
+    watch_->waiting(&generation_, generation);
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    std::vector<std::pair<const void*, uint64_t>> stuck_before;
+    auto released = [&] { return generation_.load() != generation || broken_; };
+    while (!cv_.wait_for(lock, std::chrono::milliseconds(100), released)) {
+      std::vector<std::pair<const void*, uint64_t>> stuck = watch_->stuck();
+      const bool deadlocked = !stuck.empty() && stuck == stuck_before;
+      if (deadlocked || std::chrono::steady_clock::now() > give_up) {
+        broken_ = true;
+        cv_.notify_all();
+        watch_->running();
+        throw std::runtime_error(std::string("simulated CUDA deadlock: not every thread reached ") + what +
+                                 (deadlocked ? " (every thread still running waits at a barrier)" : ""));
+      }
+      stuck_before = std::move(stuck);
+    }
+    watch_->running();
+    if (broken_) throw BlockAborted();
+  }
+
   std::mutex mutex_;
   std::condition_variable cv_;
   int participants_;
+  DeadlockWatch* watch_;
   int arrived_ = 0;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
   bool broken_ = false;
 };
 
 struct Warp {
-  Barrier barrier{32};
+  explicit Warp(DeadlockWatch* watch) : barrier(32, watch) {}
+  Barrier barrier;
   uint64_t lanes[32];
 };
 
 struct Block {
-  explicit Block(int threads, size_t smem_bytes) : sync(threads), dynamic_smem((smem_bytes + 127) / 128 + 1) {
-    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(std::make_unique<Warp>());
+  explicit Block(int threads_, size_t smem_bytes)
+      : threads(threads_), watch(threads_), sync(threads_, &watch), dynamic_smem((smem_bytes + 127) / 128 + 1) {
+    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(std::make_unique<Warp>(&watch));
     const uint32_t poison = 0x7fff7fffu;
     uint32_t* words = reinterpret_cast<uint32_t*>(dynamic_smem.data());
     for (size_t i = 0; i < dynamic_smem.size() * 32; ++i) words[i] = poison;
   }
   unsigned char* smem() { return reinterpret_cast<unsigned char*>(dynamic_smem.data()); }
+  // Barrier `id` of bar.sync (1..15), made on first use.
+  Barrier& named(int id) {
+    std::lock_guard<std::mutex> lock(named_mutex);
+    std::unique_ptr<Barrier>& barrier = named_barriers[id];
+    if (!barrier) barrier = std::make_unique<Barrier>(0, &watch);
+    return *barrier;
+  }
+  void abort() {
+    sync.abort();
+    for (auto& w : warps) w->barrier.abort();
+    std::lock_guard<std::mutex> lock(named_mutex);
+    for (auto& [id, barrier] : named_barriers) barrier->abort();
+  }
+  int threads;
+  DeadlockWatch watch;
   Barrier sync;
   std::vector<std::unique_ptr<Warp>> warps;
+  std::mutex named_mutex;
+  std::map<int, std::unique_ptr<Barrier>> named_barriers;
   struct alignas(128) Line {
     unsigned char bytes[128];
   };
@@ -157,7 +251,6 @@ struct Block {
 };
 
 inline thread_local Block* current_block = nullptr;
-inline thread_local int current_thread = 0;
 
 }  // namespace clef_sim
 
@@ -200,6 +293,42 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
   return result;
 }
 
+namespace clef_sim {
+// __any_sync / __all_sync: every lane of the warp takes part, as in a shuffle.
+inline bool warp_vote(unsigned mask, bool predicate, bool all, const char* what) {
+  if (mask != 0xffffffffu) throw std::runtime_error("simulated CUDA: only full-warp votes are modelled");
+  Warp& warp = *current_block->warps[current_thread / 32];
+  const int lane = current_thread % 32;
+  warp.lanes[lane] = predicate ? 1 : 0;
+  warp.barrier.arrive_and_wait(what);
+  bool result = all;
+  for (int l = 0; l < 32; ++l) result = all ? (result && warp.lanes[l] != 0) : (result || warp.lanes[l] != 0);
+  warp.barrier.arrive_and_wait(what);
+  return result;
+}
+
+// bar.sync id, threads: a barrier per (block, id) over exactly `threads` threads, which every participant
+// must name alike; a count its participants never reach deadlocks, as on a GPU, and is reported.
+inline void named_barrier_sync(int id, int threads) {
+  Block& block = *current_block;
+  if (id < 1 || id > 15)
+    throw std::runtime_error("simulated CUDA: bar.sync barrier id " + std::to_string(id) +
+                             " (1..15; 0 is __syncthreads')");
+  if (threads <= 0 || threads % 32 != 0 || threads > block.threads)
+    throw std::runtime_error("simulated CUDA: bar.sync " + std::to_string(id) + " over " + std::to_string(threads) +
+                             " threads: a multiple of 32 up to the block's " + std::to_string(block.threads));
+  const std::string what = "bar.sync " + std::to_string(id);
+  block.named(id).arrive_counted(what.c_str(), threads);
+}
+}  // namespace clef_sim
+
+inline int __any_sync(unsigned mask, int predicate) {
+  return clef_sim::warp_vote(mask, predicate != 0, false, "__any_sync");
+}
+inline int __all_sync(unsigned mask, int predicate) {
+  return clef_sim::warp_vote(mask, predicate != 0, true, "__all_sync");
+}
+
 template <typename Kernel>
 inline cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute, int value) {
   if (value > clef_sim::max_dynamic_smem_bytes())
@@ -222,6 +351,7 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) 
     case cudaDevAttrComputeCapabilityMajor: *value = clef_sim::compute_capability / 10; break;
     case cudaDevAttrComputeCapabilityMinor: *value = clef_sim::compute_capability % 10; break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = clef_sim::max_dynamic_smem_bytes(); break;
+    case cudaDevAttrMultiProcessorCount: *value = clef_sim::multiprocessor_count; break;
   }
   return cudaSuccess;
 }
@@ -230,6 +360,7 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) 
 #define CLEF_DYNAMIC_SHARED_ALIGNED(type, name, bytes) CLEF_DYNAMIC_SHARED(type, name)
 #define CLEF_FAULT(name, good, faulty) (clef_sim::active_fault == #name ? (faulty) : (good))
 #define CLEF_CHECK_ALIGNED(ptr, bytes, what) clef_sim::check_aligned(ptr, bytes, what)
+#define CLEF_BAR_SYNC(id, threads) clef_sim::named_barrier_sync(id, threads)
 
 #include "wmma_sim.h"
 
@@ -282,12 +413,20 @@ class Launch {
           kernel_(args...);
         } catch (...) {
           errors[t] = std::current_exception();
-          block.sync.abort();
-          for (auto& w : block.warps) w->barrier.abort();
+          block.abort();
         }
+        block.watch.exited(t);
       });
     }
     for (auto& w : workers) w.join();
+    for (auto& e : errors) {
+      if (!e) continue;
+      try {
+        std::rethrow_exception(e);
+      } catch (const BlockAborted&) {
+        continue;  // a consequence: the error that aborted the block is another thread's
+      }
+    }
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
   }

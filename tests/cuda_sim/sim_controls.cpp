@@ -1,16 +1,66 @@
 // Test-only controls of the simulated device, as ops of the simulator module: its compute capability
-// (the launchers' dispatch rules read it) and the fault switched on at the kernels' CLEF_FAULT points.
-// Each returns the previous setting, so a test can restore it.
+// (the launchers' dispatch rules read it), its SM count (v2 attention's split rule reads it) and the
+// fault switched on at the kernels' CLEF_FAULT points. Each returns the previous setting, so a test can
+// restore it. Also a probe of the simulator's own model of named barriers and warp votes.
 #include <torch/library.h>
 
 #include "cuda_sim.h"
+// clang-format off
+#include "common/cuda_utils.cuh"
+// clang-format on
 
 namespace {
+
+// One block of 4 warps. Warps 0 and 1 (and 2 and 3) hand a value over through shared memory across a
+// named barrier of their own, as v2 attention's warp pairs do; `how` bends that barrier the ways a kernel
+// could get it wrong. Each thread also votes on lane parity.
+__global__ void named_barrier_probe(int how, int* results) {
+  CLEF_DYNAMIC_SHARED(int, handoff);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, pair = warp / 2;
+  if (warp % 2 == 0) handoff[pair * 32 + lane] = 1000 * pair + lane;
+  int threads = 64;
+  if (how == 1) threads = 48;                     // not a multiple of 32
+  if (how == 2 && warp % 2 == 1) threads = 96;    // the participants disagree
+  if (how == 3) threads = 128;                    // more than the pair: never reached
+  clef::bar_sync(1 + pair, threads);
+  if (warp % 2 == 1) results[threadIdx.x] = handoff[pair * 32 + lane];
+  const int any_odd = __any_sync(0xffffffffu, lane % 2), all_odd = __all_sync(0xffffffffu, lane % 2);
+  const int all_live = __all_sync(0xffffffffu, 1), any_past = __any_sync(0xffffffffu, lane > 31);
+  if (warp % 2 == 0) results[threadIdx.x] = 8 * any_odd + 4 * all_odd + 2 * all_live + any_past;
+}
+
+// "ok" when the probe ran as a GPU would (every handoff and vote right), else what the simulator said.
+std::string probe_named_barriers(c10::string_view how) {
+  const int mode = how == "right" ? 0 : how == "count_not_a_multiple_of_32" ? 1 : how == "participants_disagree" ? 2
+                 : how == "count_never_reached" ? 3 : -1;
+  TORCH_CHECK_VALUE(mode >= 0, "probe_named_barriers: unknown case ", std::string(how));
+  std::vector<int> results(128, -1);
+  try {
+    CLEF_LAUNCH(named_barrier_probe, 1, 128, 64 * sizeof(int), nullptr)(mode, results.data());
+  } catch (const std::exception& error) {
+    return error.what();
+  }
+  for (int t = 0; t < 128; ++t) {
+    const int warp = t / 32, lane = t % 32;
+    const int expected = warp % 2 == 1 ? 1000 * (warp / 2) + lane : 8 + 0 + 2 + 0;
+    if (results[t] != expected)
+      return "thread " + std::to_string(t) + " read " + std::to_string(results[t]) + ", not " +
+             std::to_string(expected);
+  }
+  return "ok";
+}
 
 int64_t set_compute_capability(int64_t cc) {
   TORCH_CHECK_VALUE(cc >= 10 && cc < 1000, "set_compute_capability: e.g. 70 for sm_70, got ", cc);
   const int previous = clef_sim::compute_capability;
   clef_sim::compute_capability = static_cast<int>(cc);
+  return previous;
+}
+
+int64_t set_multiprocessor_count(int64_t sms) {
+  TORCH_CHECK_VALUE(sms >= 1 && sms <= 1024, "set_multiprocessor_count: 1..1024 SMs, got ", sms);
+  const int previous = clef_sim::multiprocessor_count;
+  clef_sim::multiprocessor_count = static_cast<int>(sms);
   return previous;
 }
 
@@ -24,5 +74,7 @@ std::string set_fault(c10::string_view name) {
 
 TORCH_LIBRARY_FRAGMENT(clef_sim, m) {
   m.def("set_compute_capability(int cc) -> int", &set_compute_capability);
+  m.def("set_multiprocessor_count(int sms) -> int", &set_multiprocessor_count);
   m.def("set_fault(str name) -> str", &set_fault);
+  m.def("probe_named_barriers(str how) -> str", &probe_named_barriers);
 }
