@@ -31,8 +31,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
                      double scale, at::Tensor& out, c10::string_view kernel);
-// Which kernel paged_attention would run for these arguments: "wmma", "simt" or "cpu" (kernel: "auto",
-// or a forced one, which raises when it cannot run them).
+// Which kernel paged_attention would run for these arguments: "wmma", "wmma2", "simt" or "cpu" (kernel:
+// "auto", or a forced one, which raises when it cannot run them).
 std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& cu_seqlens_q,
                                      const at::Tensor& context_lens, const at::Tensor& block_tables,

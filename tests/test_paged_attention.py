@@ -269,7 +269,7 @@ def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
         dispatch(wide=1, kernel="wmma")
     with simulated(compute_capability=70), pytest.raises(ValueError, match="sm_80"):
         dispatch(torch.bfloat16, kernel="wmma")
-    with pytest.raises(ValueError, match="kernel must be 'auto', 'simt' or 'wmma'"):
+    with pytest.raises(ValueError, match="kernel must be 'auto', 'simt', 'wmma' or 'wmma2'"):
         dispatch(kernel="tensor")
     sim = Backend("sim", sim_ops, torch.device("cpu"))
     with pytest.raises(ValueError, match="kernel='wmma' cannot run these arguments: the tensor-core kernel takes f16"):
@@ -401,7 +401,7 @@ def _good_args():
         (dict(block_tables=torch.full((2, 4), -1, dtype=torch.int32)), ValueError, "is outside the cache's"),
         (dict(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)), ValueError, "must equal the number of tokens"),
         (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), ValueError, "block_tables must have shape"),
-        (dict(kernel="tensor"), ValueError, "kernel must be 'auto', 'simt' or 'wmma'"),
+        (dict(kernel="tensor"), ValueError, "kernel must be 'auto', 'simt', 'wmma' or 'wmma2'"),
         (dict(kernel="wmma"), ValueError, "picks a CUDA kernel, but cpu tensors run the CPU implementation"),
     ],
 )

@@ -16,7 +16,9 @@
 // Two CUDA kernels serve paged_attention (paged_attention_kernels.cuh): a tensor-core one (WMMA, f16/bf16
 // caches, head dims 64/128/256) for prefill chunks and an fp32 SIMT one for everything else (fp32 caches,
 // other head dims, decode packs). paged_attention_choose_kernel below is the rule; the CPU tests and the
-// simulator run it as the GPU does.
+// simulator run it as the GPU does. A second tensor-core kernel (v2: 8 warps, the output columns split
+// over warp pairs, a split-context pass for small grids) runs only when forced (kernel="wmma2"): the
+// start-up autotune times it against v1 on the device, which no rule written here can know.
 #pragma once
 
 #include "common/hd.h"
@@ -35,9 +37,10 @@ struct CacheWriteParams {
   int num_kv_heads = 0, head_dim = 0, block_size = 0, num_blocks = 0;
 };
 
-// Which CUDA kernel serves a paged_attention call. Auto applies paged_attention_choose_kernel; Simt and
-// Wmma force one (the op's `kernel` argument: benchmarks and tests time and verify both on one shape).
-enum class AttentionKernel : int { Auto = 0, Simt = 1, Wmma = 2 };
+// Which CUDA kernel serves a paged_attention call. Auto applies paged_attention_choose_kernel; Simt, Wmma
+// and WmmaV2 force one (the op's `kernel` argument: benchmarks, tests and the start-up autotune time and
+// verify each on one shape). Auto never picks WmmaV2.
+enum class AttentionKernel : int { Auto = 0, Simt = 1, Wmma = 2, WmmaV2 = 3 };
 
 struct PagedAttentionParams {
   const void* query = nullptr;
@@ -55,6 +58,13 @@ struct PagedAttentionParams {
   int block_size = 0, num_blocks = 0, max_blocks_per_seq = 0;
   float scale = 1.0f;
   AttentionKernel kernel = AttentionKernel::Auto;
+  // WmmaV2's split-context pass (paged_attention_wmma2_splits): each CTA's keys are cut into `splits`
+  // parts, run by separate CTAs whose partial rows land in split_workspace, then merged by a combine
+  // kernel. The torch glue allocates the workspace (paged_attention_wmma2_workspace_bytes), so the .cu
+  // launcher needs no allocator of its own. 1: no split.
+  int splits = 1;
+  void* split_workspace = nullptr;
+  int64_t split_workspace_bytes = 0;
 };
 
 // Offset of (slot, kv head, d = 0) in a cache laid out [num_blocks, block_size, Hkv, D]; a slot is
@@ -208,24 +218,157 @@ CLEF_HD int paged_attention_wmma_keys(int head_dim, int smem_limit) {
 struct AttentionDevice {
   int cc = 0;          // compute capability, 70 = sm_70
   int smem_limit = 0;  // the most shared memory one block may have (with the opt-in where there is one)
+  int multiprocessors = 0;  // SMs (cudaDevAttrMultiProcessorCount); 0 when unknown: never split
 };
 
-// Why the tensor-core kernel cannot run this call on `device`, or nullptr when it can. It stages K/V tiles
-// in the cache dtype and loads them 16 bytes at a time.
-CLEF_HD const char* paged_attention_wmma_unsupported(const PagedAttentionParams& p, ScalarKind kind,
-                                                     AttentionDevice device) {
+// Why a tensor-core kernel cannot run this call on `device`, or nullptr when it can; `tile_keys` is the key
+// tile of that kernel the device's shared memory holds (0: none). Both stage K/V tiles in the cache dtype
+// and load them 16 bytes at a time.
+CLEF_HD const char* tensor_core_attention_unsupported(const PagedAttentionParams& p, ScalarKind kind,
+                                                      AttentionDevice device, int tile_keys) {
   if (kind == ScalarKind::F32) return "the tensor-core kernel takes f16 or bf16 caches (fp32 runs the SIMT kernel)";
   if (device.cc < 70) return "tensor cores need sm_70 or newer";
   if (kind == ScalarKind::BF16 && device.cc < 80) return "bf16 tensor cores need sm_80 or newer (serve V100s in f16)";
   if (!paged_attention_wmma_head_dim(p.head_dim)) return "the tensor-core kernel is compiled for head dims 64, 128 and 256";
-  if (paged_attention_wmma_keys(p.head_dim, device.smem_limit) == 0)
-    return "no tensor-core tile of this head dim fits the device's shared memory per block";
+  if (tile_keys == 0) return "no tensor-core tile of this head dim fits the device's shared memory per block";
   if (p.num_kv_heads <= 0 || kWmmaRows % (p.num_q_heads / p.num_kv_heads) != 0)
     return "the tensor-core kernel needs num_q_heads / num_kv_heads to divide its 64-row tile";
   if (!aligned_16_bytes(p.query) || p.query_token_stride % 8 != 0 || p.query_head_stride % 8 != 0 ||
       !aligned_16_bytes(p.key_cache) || !aligned_16_bytes(p.value_cache))
     return "the tensor-core kernel needs 16-byte aligned query rows and caches (query strides multiples of 8)";
   return nullptr;
+}
+
+CLEF_HD const char* paged_attention_wmma_unsupported(const PagedAttentionParams& p, ScalarKind kind,
+                                                     AttentionDevice device) {
+  return tensor_core_attention_unsupported(p, kind, device, paged_attention_wmma_keys(p.head_dim, device.smem_limit));
+}
+
+// ---- tensor cores, v2 (forced only: kernel="wmma2") -----------------------------------------------
+// The same 64 query rows a CTA as v1, over 8 warps: warps 2w and 2w+1 (a pair) share rows 16w..16w+15,
+// each scoring half of the tile's 16-key sub-tiles and each holding half of the D/16 output accumulator
+// tiles (64 fp32 registers of O at D = 256 instead of v1's 128), so twice the warps hide the same latency.
+constexpr int kWmma2Warps = 8;
+
+// Shared memory of v2, bytes from the 128-byte aligned base. Q, K, V as v1 (the next K/V tile waits in
+// registers, so one copy of each suffices). Scores are shared by a pair (each warp stores its key
+// sub-tiles, both read whole rows); probabilities are private to each warp, so that neither overwrites
+// scores its partner still reads (that would take a second pair barrier a tile). alpha is per warp for
+// the same reason. The finished O goes out through the pair's own Q rows (only that pair reads them).
+//   D = 64:  32 keys, 38 KB (V100: two CTAs an SM)
+//   D = 128: 32 keys, 54 KB (the opt-in on every tensor-core card)
+//   D = 256: 32 keys, 86 KB: sm_70 (96 KB), sm_80+; 16 keys, 61.25 KB: sm_75's 64 KB (T4)
+template <int D, int KEYS>
+struct Wmma2Layout {
+  static constexpr int kKeys = KEYS;
+  static constexpr int kRowStride = D + 8;        // elements per Q/K/V row, as v1
+  static constexpr int kScoreStride = KEYS + 4;   // floats per score row (a multiple of 4, as wmma needs)
+  static constexpr int kProbStride = KEYS + 8;    // 2-byte elements per probability row (16-byte rows)
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kWmmaRows * kRowStride * 2;
+  static constexpr int kV = kK + KEYS * kRowStride * 2;
+  static constexpr int kScores = kV + KEYS * kRowStride * 2;
+  static constexpr int kProbs = kScores + kWmmaRows * kScoreStride * 4;
+  static constexpr int kAlpha = kProbs + kWmma2Warps * 16 * kProbStride * 2;
+  static constexpr int kKeyOffsets = kAlpha + kWmma2Warps * 16 * 4;
+  static constexpr int kBytes = kKeyOffsets + 2 * KEYS * 8;
+};
+
+CLEF_HD constexpr int paged_attention_wmma2_key_options(int head_dim, int option) {
+  if (head_dim == 64 || head_dim == 128) return option == 0 ? 32 : 0;
+  if (head_dim == 256) return option == 0 ? 32 : option == 1 ? 16 : 0;
+  return 0;
+}
+
+CLEF_HD int paged_attention_wmma2_smem_bytes(int head_dim, int keys) {
+  if (head_dim == 64 && keys == 32) return Wmma2Layout<64, 32>::kBytes;
+  if (head_dim == 128 && keys == 32) return Wmma2Layout<128, 32>::kBytes;
+  if (head_dim == 256 && keys == 32) return Wmma2Layout<256, 32>::kBytes;
+  if (head_dim == 256 && keys == 16) return Wmma2Layout<256, 16>::kBytes;
+  return 0;
+}
+
+// Keys per tile of v2 on a device with `smem_limit` bytes a block; 0 when none fits (sm_60/61's 48 KB at
+// D = 128 and 256: they have no tensor cores anyway).
+CLEF_HD int paged_attention_wmma2_keys(int head_dim, int smem_limit) {
+  for (int i = 0; paged_attention_wmma2_key_options(head_dim, i) > 0; ++i) {
+    const int keys = paged_attention_wmma2_key_options(head_dim, i);
+    if (paged_attention_wmma2_smem_bytes(head_dim, keys) <= smem_limit) return keys;
+  }
+  return 0;
+}
+
+CLEF_HD const char* paged_attention_wmma2_unsupported(const PagedAttentionParams& p, ScalarKind kind,
+                                                      AttentionDevice device) {
+  return tensor_core_attention_unsupported(p, kind, device, paged_attention_wmma2_keys(p.head_dim, device.smem_limit));
+}
+
+// v2's split-context pass. The rule: it engages when the grid (query tiles of the pack x KV heads x
+// sequences, counted from the pack's token count as the launcher sizes it: no device-to-host copy) has
+// fewer CTAs than the device has SMs, so SMs would idle while a few CTAs walk a long context (one record
+// of clef-flash, GQA 4: a 64-token prefix-cache hit over a 16k context is 16 CTAs for a V100's 80 SMs, a
+// 16-token one 4). Each CTA's key range is then cut into up to `splits` parts, run by separate CTAs:
+//   splits = min(SMs / CTAs, kWmma2MaxSplits, the block table's key capacity / (keys a tile x
+//            kWmma2MinTilesPerSplit)), and no split when that is below 2.
+// SMs / CTAs keeps the split grid within one wave. A part adds about one to two K/V tiles' time to its
+// CTA (staging its Q tile, writing its fp32 partial rows; the combine's read-back is a separate small
+// pass), hence at least kWmma2MinTilesPerSplit tiles a part. The block table's capacity bounds the
+// context without reading context_lens; on the device each CTA runs only as many parts as its own
+// context fills (wmma2_active_splits), so a short record in a wide table costs CTAs that exit at once.
+constexpr int kWmma2MaxSplits = 32;
+constexpr int kWmma2MinTilesPerSplit = 2;
+
+CLEF_HD int paged_attention_wmma2_query_tiles(const PagedAttentionParams& p) {
+  const int tile_tokens = kWmmaRows / (p.num_q_heads / p.num_kv_heads);
+  return static_cast<int>((p.num_tokens + tile_tokens - 1) / tile_tokens);
+}
+
+CLEF_HD int64_t paged_attention_wmma2_ctas(const PagedAttentionParams& p) {
+  return static_cast<int64_t>(paged_attention_wmma2_query_tiles(p)) * p.num_kv_heads * p.batch;
+}
+
+CLEF_HD int paged_attention_wmma2_splits(const PagedAttentionParams& p, AttentionDevice device, int keys) {
+  const int64_t ctas = paged_attention_wmma2_ctas(p);
+  if (keys <= 0 || ctas <= 0 || ctas >= device.multiprocessors) return 1;
+  const int64_t capacity_tiles = (static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size + keys - 1) / keys;
+  int64_t splits = device.multiprocessors / ctas;
+  if (splits > kWmma2MaxSplits) splits = kWmma2MaxSplits;
+  if (splits > capacity_tiles / kWmma2MinTilesPerSplit) splits = capacity_tiles / kWmma2MinTilesPerSplit;
+  return splits >= 2 ? static_cast<int>(splits) : 1;
+}
+
+// Parts a CTA whose context fills `num_tiles` key tiles actually runs: each gets kWmma2MinTilesPerSplit
+// tiles or more; the kernel and the combine both ask, so they agree on which partial rows exist.
+CLEF_HD int wmma2_active_splits(int num_tiles, int splits) {
+  const int active = num_tiles / kWmma2MinTilesPerSplit;
+  return active < 1 ? 1 : (active > splits ? splits : active);
+}
+// First key tile of part `split` of `active` (part `active` gives the end).
+CLEF_HD int wmma2_split_first_tile(int num_tiles, int active, int split) {
+  return static_cast<int>(static_cast<int64_t>(num_tiles) * split / active);
+}
+
+// The workspace: per CTA and part (a slot), the part's 64 rows of unnormalised O (fp32, [64][D]), then
+// every slot's running max m and sum l per row. A slot is ((b * Hkv + kv head) * query tiles + query
+// tile) * splits + part.
+struct Wmma2Partials {
+  float* out;  // [slots][64][D]
+  float* max;  // [slots][64]
+  float* sum;  // [slots][64]
+};
+CLEF_HD int64_t paged_attention_wmma2_workspace_bytes(const PagedAttentionParams& p, int splits) {
+  if (splits <= 1) return 0;
+  return paged_attention_wmma2_ctas(p) * splits * kWmmaRows * (p.head_dim + 2) * static_cast<int64_t>(sizeof(float));
+}
+CLEF_HD Wmma2Partials wmma2_partials(const PagedAttentionParams& p) {
+  const int64_t rows = paged_attention_wmma2_ctas(p) * p.splits * kWmmaRows;
+  float* base = static_cast<float*>(p.split_workspace);
+  return Wmma2Partials{base, base + rows * p.head_dim, base + rows * (p.head_dim + 1)};
+}
+CLEF_HD int64_t wmma2_split_slot(const PagedAttentionParams& p, int b, int kv_head, int query_tile, int split) {
+  const int64_t kv_row = static_cast<int64_t>(b) * p.num_kv_heads + kv_head;
+  const int64_t cta = kv_row * paged_attention_wmma2_query_tiles(p) + query_tile;
+  return cta * p.splits + split;
 }
 
 // The rule. Tensor cores whenever they can run the call and the pack averages at least one SIMT tile

@@ -11,6 +11,10 @@
 //
 // paged_attention_kernel (SIMT, fp32 math): one CTA per 16 rows. The fallback for fp32 caches, head dims
 // the tensor-core kernel does not tile, and decode packs (paged_attention_choose_kernel decides).
+//
+// paged_attention_wmma2_kernel (tensor cores v2, forced with kernel="wmma2"; see its section below): v1's
+// CTA over 8 warps, O's columns split over warp pairs, the next K/V tile prefetched into registers, and
+// a split-context pass (with paged_attention_split_combine_kernel) when the grid is smaller than the GPU.
 #pragma once
 
 #include "common/cuda_utils.cuh"
@@ -409,6 +413,358 @@ __global__ void __launch_bounds__(kWmmaThreads) paged_attention_wmma_kernel(Page
   (void)p;
   __trap();
 #endif
+}
+
+// ---- tensor cores, v2 ----------------------------------------------------------------------------
+// paged_attention_wmma2_kernel: v1's CTA (sequence, KV head, 64 query rows) over 8 warps. Warps 2w and 2w+1
+// (a pair) own rows 16w..16w+15 together. Per K/V tile:
+//   S:  each warp of the pair computes every other 16-key sub-tile of the pair's scores into shared
+//       memory, then one named barrier over the pair. Splitting S (rather than both warps computing all
+//       of it) keeps the tensor-core work of v1; sharing the fp32 scores (rather than probabilities
+//       computed by one warp) lets each warp run the whole rows' softmax itself, so the pair needs that
+//       one barrier a tile and no second one before P V. The softmax is SIMT work small next to the
+//       products (16 rows x 32 keys a warp), and both warps compute bit-identical m, l and P.
+//   PV: each warp multiplies its own P by its half of V's columns into its half of O.
+// The next tile's K/V is loaded into registers (16-byte loads from the paged cache) while this tile
+// computes and stored to shared memory after the barrier that ends it; the tile after that has its key
+// offsets walked from the block table before that barrier too. O is rescaled only when a row's max rose.
+// With few CTAs (paged_attention_wmma2_splits), blockIdx.z also names a part of the CTA's keys, and the
+// part's unnormalised rows go to a workspace that paged_attention_split_combine_kernel merges.
+constexpr int kWmma2Threads = 32 * kWmma2Warps;
+constexpr int kWmma2PairThreads = 64;
+constexpr int kSplitCombineThreads = 256;
+
+#if defined(CLEF_WMMA_ARCH)
+
+template <typename T, int D, int KEYS>
+__device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionParams& p) {
+  namespace wmma = nvcuda::wmma;
+  using Layout = Wmma2Layout<D, KEYS>;
+  using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  constexpr int RS = Layout::kRowStride;
+  constexpr int SS = Layout::kScoreStride;
+  constexpr int PS = Layout::kProbStride;
+  constexpr int D_TILES = D / 16;
+  constexpr int HALF_TILES = D_TILES / 2;  // output column tiles a warp holds
+  constexpr int K_TILES = KEYS / 16;
+  constexpr int VEC = 8;                   // elements per 16-byte copy
+  constexpr int KEYS_PER_LANE = KEYS / 2;  // two lanes per row in the softmax
+  constexpr int ELEMS = Accumulator::num_elements;
+  constexpr int CHUNKS_PER_THREAD = KEYS * (D / VEC) / kWmma2Threads;  // 16-byte pieces of K (and of V)
+  static_assert(KEYS * (D / VEC) % kWmma2Threads == 0, "a K/V tile must split evenly over the threads");
+  static_assert(KEYS <= kWmma2Threads, "one thread walks the block table per key");
+  static_assert(2 * Layout::kKeys * RS * 2 >= kWmma2Warps * 256 * 4, "the row-index scratch lives in K/V");
+  static_assert(16 * RS * 2 >= 2 * 256 * 4, "a pair's Q rows hold both warps' output staging");
+
+  const int group = p.num_q_heads / p.num_kv_heads;  // divides kWmmaRows (paged_attention_wmma2_unsupported)
+  const int tile_tokens = kWmmaRows / group;
+  const int kv_head = blockIdx.y;
+  const int b = blockIdx.z / p.splits;
+  const int split = blockIdx.z % p.splits;
+  const AttnSeq s = attn_sequence(p, b);
+  const int query_tile = wmma_query_tile(gridDim.x, blockIdx.x);
+  const int q0 = query_tile * tile_tokens;
+  if (q0 >= s.q_len) return;  // uniform over the CTA
+  const int kv_end = attn_query_position(s, min_int(q0 + tile_tokens, s.q_len) - 1) + 1;
+  const int num_tiles = kv_end > 0 ? ceil_div(kv_end, KEYS) : 0;
+  const int active_splits = p.splits > 1 ? wmma2_active_splits(num_tiles, p.splits) : 1;
+  if (split >= active_splits) return;  // uniform: this CTA's context fills fewer parts
+  const int first_tile = wmma2_split_first_tile(num_tiles, active_splits, split);
+  const int tiles = wmma2_split_first_tile(num_tiles, active_splits, split + 1) - first_tile;
+
+  CLEF_DYNAMIC_SHARED_ALIGNED(unsigned char, wmma2_smem, 128);
+  T* q_s = reinterpret_cast<T*>(wmma2_smem + Layout::kQ);  // [64 rows][RS], unscaled
+  T* k_s = reinterpret_cast<T*>(wmma2_smem + Layout::kK);  // [KEYS][RS]
+  T* v_s = reinterpret_cast<T*>(wmma2_smem + Layout::kV);  // [KEYS][RS]
+  int64_t* key_off_s = reinterpret_cast<int64_t*>(wmma2_smem + Layout::kKeyOffsets);  // [2][KEYS]
+
+  const T* query = static_cast<const T*>(p.query);
+  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int pair = warp / 2;
+  const int half = warp % 2;  // which half of the output columns (and which key sub-tiles of S)
+  float* pair_s = reinterpret_cast<float*>(wmma2_smem + Layout::kScores) + 16 * pair * SS;  // [16][SS]
+  T* p_warp = reinterpret_cast<T*>(wmma2_smem + Layout::kProbs) + 16 * warp * PS;         // [16][PS]
+  float* alpha_w = reinterpret_cast<float*>(wmma2_smem + Layout::kAlpha) + 16 * warp;
+
+  auto key_offset = [&](int tile, int kk) -> int64_t {
+    const int pos = tile * KEYS + kk;
+    return pos < kv_end ? paged_key_offset(p, b, pos, kv_head) : -1;
+  };
+  if (tid < KEYS && tiles > 0) key_off_s[tid] = key_offset(first_tile, tid);
+  if (tid < KEYS && tiles > 1) key_off_s[KEYS + tid] = key_offset(first_tile + 1, tid);
+
+  // Row r of the tile is query token q0 + r / group, query head kv_head * group + r % group; rows past
+  // the sequence's queries are zeros (and are never written out).
+  for (int e = tid; e < kWmmaRows * (D / VEC); e += kWmma2Threads) {
+    const int r = e / (D / VEC), c = (e % (D / VEC)) * VEC;
+    const int qi = q0 + r / group;
+    T* dst = q_s + r * RS + c;
+    if (qi < s.q_len)
+      copy16(dst, query + attn_query_offset(s.q_start + qi, kv_head * group + r % group, p) + c);
+    else
+      zero16(dst);
+  }
+
+  // Each lane's accumulator elements' rows, learnt as v1 does (its comment says why), in scratch space
+  // of the K/V tiles that the first barrier below protects.
+  unsigned rows_of[(ELEMS + 7) / 8] = {};
+  {
+    float* scratch = reinterpret_cast<float*>(wmma2_smem + Layout::kK) + 256 * warp;
+    for (int e = lane; e < 256; e += 32) scratch[e] = static_cast<float>(e / 16);
+    __syncwarp();
+    Accumulator row_index;
+    wmma::load_matrix_sync(row_index, scratch, 16, wmma::mem_row_major);
+#pragma unroll
+    for (int i = 0; i < ELEMS; ++i) rows_of[i / 8] |= static_cast<unsigned>(row_index.x[i]) << (4 * (i % 8));
+  }
+
+  // The pair's keys: a pair skips the products of a tile wholly past its rows' positions.
+  const int pair_first_token = q0 + 16 * pair / group;
+  const bool pair_live = pair_first_token < s.q_len;
+  const int pair_kv_end =
+      pair_live ? attn_query_position(s, min_int(q0 + (16 * pair + 15) / group, s.q_len - 1)) + 1 : 0;
+
+  // Softmax layout: lanes 2r and 2r+1 of both warps share row 16 pair + r, keys key_lane + 2 m.
+  const int row = 16 * pair + lane / 2;
+  const int key_lane = lane % 2;
+  const int row_token = q0 + row / group;
+  const int row_pos = row_token < s.q_len ? attn_query_position(s, row_token) : -1;
+  float m_run = kNegInf, l_run = 0.0f;
+
+  Accumulator acc[HALF_TILES];
+#pragma unroll
+  for (int j = 0; j < HALF_TILES; ++j) wmma::fill_fragment(acc[j], 0.0f);
+  const int first_column_tile = half * HALF_TILES;
+
+  // The next K/V tile in flight: this thread's 16-byte pieces of it, loaded before a tile's products and
+  // stored to shared memory after the barrier that ends them. Keys outside the context are zeros, never
+  // cache contents: a NaN there would survive P = 0.
+  uint4 k_next[CHUNKS_PER_THREAD], v_next[CHUNKS_PER_THREAD];
+  auto load_tile = [&](const int64_t* offsets) {
+#pragma unroll
+    for (int c = 0; c < CHUNKS_PER_THREAD; ++c) {
+      const int e = tid + kWmma2Threads * c;
+      const int kk = e / (D / VEC), col = (e % (D / VEC)) * VEC;
+      const int64_t off = offsets[kk];
+      k_next[c] = off >= 0 ? load16(key_cache + off + col) : make_uint4(0u, 0u, 0u, 0u);
+      v_next[c] = off >= 0 ? load16(value_cache + off + col) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  auto store_tile = [&]() {
+#pragma unroll
+    for (int c = 0; c < CHUNKS_PER_THREAD; ++c) {
+      const int e = tid + kWmma2Threads * c;
+      const int kk = e / (D / VEC), col = (e % (D / VEC)) * VEC;
+      store16(k_s + kk * RS + col, k_next[c]);
+      store16(v_s + kk * RS + col, v_next[c]);
+    }
+  };
+
+  __syncthreads();  // Q, the first offsets and every warp's row-index scratch
+  if (tiles > 0) {
+    load_tile(key_off_s);
+    store_tile();
+  }
+  __syncthreads();
+
+  for (int i = 0; i < tiles; ++i) {
+    const int k0 = (first_tile + i) * KEYS;
+    const int64_t* offsets = key_off_s + (i % 2) * KEYS;
+    const bool more = i + 1 < tiles;
+    // (The fault: the registers filled from this tile's offsets again, so the next tile is a stale copy.)
+    if (more) load_tile(key_off_s + CLEF_FAULT(wmma2_prefetch_one_tile_late, (i + 1) % 2, i % 2) * KEYS);
+    // The tile after next: its block-table walk in flight with the products, stored after the barrier.
+    const int64_t after_next = tid < KEYS && i + 2 < tiles ? key_offset(first_tile + i + 2, tid) : -1;
+
+    if (pair_live && k0 < pair_kv_end) {  // uniform over the pair
+      // S = Q K^T, this warp's 16-key sub-tiles of the pair's rows (K^T read column-major, as v1).
+#pragma unroll 1
+      for (int j = half; j < K_TILES; j += 2) {
+        Accumulator scores;
+        wmma::fill_fragment(scores, 0.0f);
+#pragma unroll 4
+        for (int t = 0; t < D_TILES; ++t) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> q_frag;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> k_frag;
+          wmma::load_matrix_sync(q_frag, q_s + 16 * pair * RS + 16 * t, RS);
+          wmma::load_matrix_sync(k_frag, k_s + 16 * j * RS + 16 * t, RS);
+          wmma::mma_sync(scores, q_frag, k_frag, scores);
+        }
+        wmma::store_matrix_sync(pair_s + 16 * j, scores, SS, wmma::mem_row_major);
+      }
+      // (The fault: v1's whole-CTA count, 128, for a barrier only the pair's 64 threads reach.)
+      bar_sync(1 + pair, CLEF_FAULT(wmma2_pair_barrier_count, kWmma2PairThreads, kWmmaThreads));
+
+      // Online softmax of the whole rows in fp32, as v1 (its comments say why).
+      float score[KEYS_PER_LANE];
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int m = 0; m < KEYS_PER_LANE; ++m) {
+        const int kk = key_lane + 2 * m;
+        const bool live = offsets[kk] >= 0 && k0 + kk <= row_pos;
+        score[m] = live ? pair_s[(lane / 2) * SS + kk] * p.scale : kNegInf;
+        tile_max = max_f32(tile_max, score[m]);
+      }
+      tile_max = group_max<2>(tile_max);
+      const SoftmaxStep step = softmax_step(m_run, tile_max);
+      const bool max_rose = step.m > m_run;
+      T* p_row = p_warp + (lane / 2) * PS;
+      float tile_sum = 0.0f;
+#pragma unroll
+      for (int m = 0; m < KEYS_PER_LANE; ++m) {
+        const T prob = from_f32<T>(score[m] > kNegInf ? exp_f32(score[m] - step.m) : 0.0f);
+        p_row[key_lane + 2 * m] = prob;
+        tile_sum += to_f32(prob);
+      }
+      tile_sum = group_sum<2>(tile_sum);
+      l_run = l_run * step.alpha + tile_sum;
+      m_run = step.m;
+      if (key_lane == 0) alpha_w[lane / 2] = step.alpha;
+      __syncwarp();
+
+      // alpha is exactly 1 for a row whose max stayed, so the per-element pass over O (64 multiplies a
+      // lane at D = 256) is skipped when no row of the warp rose, as most tiles of a long context do.
+      // (The fault: skipped unless every row rose.)
+      if (CLEF_FAULT(wmma2_rescale_vote, __any_sync(0xffffffffu, max_rose), __all_sync(0xffffffffu, max_rose))) {
+        float alpha[ELEMS];
+#pragma unroll
+        for (int i_el = 0; i_el < ELEMS; ++i_el) alpha[i_el] = alpha_w[(rows_of[i_el / 8] >> (4 * (i_el % 8))) & 15u];
+#pragma unroll
+        for (int j = 0; j < HALF_TILES; ++j) {
+#pragma unroll
+          for (int i_el = 0; i_el < ELEMS; ++i_el) acc[j].x[i_el] *= alpha[i_el];
+        }
+      }
+
+      // O[:, this warp's columns] += P V[:, those columns], one 16-key slice of P live at a time.
+#pragma unroll 1
+      for (int t = 0; t < K_TILES; ++t) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> p_frag;
+        wmma::load_matrix_sync(p_frag, p_warp + 16 * t, PS);
+#pragma unroll
+        for (int j = 0; j < HALF_TILES; ++j) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> v_frag;
+          wmma::load_matrix_sync(v_frag, v_s + 16 * t * RS + 16 * (first_column_tile + j), RS);
+          wmma::mma_sync(acc[j], p_frag, v_frag, acc[j]);
+        }
+      }
+    }
+    if (!more) break;  // uniform: nothing left to stage
+    __syncthreads();   // every warp is done with this tile's K, V and offsets
+    store_tile();
+    if (tid < KEYS) key_off_s[(i % 2) * KEYS + tid] = after_next;
+    __syncthreads();
+  }
+  if (!pair_live) return;  // after the CTA's last barrier; the rows are past the sequence's queries
+
+  // (The fault: the pair's column halves swapped on the way out.)
+  const int out_column_tile = CLEF_FAULT(wmma2_swap_column_halves, first_column_tile, HALF_TILES - first_column_tile);
+  if (p.splits > 1) {
+    // A part of a split CTA: its unnormalised rows, max and sum, for the combine.
+    const Wmma2Partials partials = wmma2_partials(p);
+    const int64_t slot = wmma2_split_slot(p, b, kv_head, query_tile, split);
+    float* out_rows = partials.out + (slot * kWmmaRows + 16 * pair) * D;
+#pragma unroll
+    for (int j = 0; j < HALF_TILES; ++j)
+      wmma::store_matrix_sync(out_rows + 16 * (out_column_tile + j), acc[j], D, wmma::mem_row_major);
+    if (half == 0 && key_lane == 0) {
+      partials.max[slot * kWmmaRows + row] = m_run;
+      partials.sum[slot * kWmmaRows + row] = l_run;
+    }
+    return;
+  }
+
+  // Each 16 x 16 accumulator tile goes out through 1 KB of the pair's Q rows as fp32 staging: both warps
+  // of the pair passed the barrier after their last S, so neither reads Q any more, and no other pair
+  // ever does. Lanes 2r, 2r+1 (which hold row r's l) normalise and write 8 columns of row r each.
+  float* staging = reinterpret_cast<float*>(q_s + 16 * pair * RS) + 256 * half;
+  T* out = static_cast<T*>(p.out);
+  const int out_head = kv_head * group + row % group;
+#pragma unroll
+  for (int j = 0; j < HALF_TILES; ++j) {
+    __syncwarp();  // the previous tile's staging has been read
+    wmma::store_matrix_sync(staging, acc[j], 16, wmma::mem_row_major);
+    __syncwarp();
+    if (row_token < s.q_len) {
+      T* dst = out + attn_out_offset(s.q_start + row_token, out_head, p) + 16 * (out_column_tile + j) + 8 * key_lane;
+      const float* src = staging + (lane / 2) * 16 + 8 * key_lane;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) dst[c] = from_f32<T>(l_run > 0.0f ? src[c] / l_run : 0.0f);  // no key: zeros
+    }
+  }
+}
+
+#endif  // CLEF_WMMA_ARCH
+
+template <typename T, int D, int KEYS>
+__global__ void __launch_bounds__(kWmma2Threads) paged_attention_wmma2_kernel(PagedAttentionParams p) {
+#if defined(CLEF_WMMA_ARCH)
+  if constexpr (WmmaCompiled<T>::value) {
+    paged_attention_wmma2_tile<T, D, KEYS>(p);
+  } else {
+    __trap();
+  }
+#else
+  (void)p;
+  __trap();
+#endif
+}
+
+// Merges the parts of each split CTA (grid: v2's without the parts): per row, m = max m_s, then
+// O = sum exp(m_s - m) O_s, l = sum exp(m_s - m) l_s, out = O / l. `keys` is v2's tile, for the parts the
+// CTA's context filled (wmma2_active_splits). Threads run along the head dim, so the partial rows and
+// the output rows are read and written coalesced.
+template <typename T>
+__global__ void __launch_bounds__(kSplitCombineThreads) paged_attention_split_combine_kernel(PagedAttentionParams p,
+                                                                                           int keys) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int tile_tokens = kWmmaRows / group;
+  const int kv_head = blockIdx.y;
+  const int b = blockIdx.z;
+  const AttnSeq s = attn_sequence(p, b);
+  const int query_tile = blockIdx.x;
+  const int q0 = query_tile * tile_tokens;
+  if (q0 >= s.q_len) return;  // uniform over the CTA
+  const int kv_end = attn_query_position(s, min_int(q0 + tile_tokens, s.q_len) - 1) + 1;
+  const int active_splits = wmma2_active_splits(kv_end > 0 ? ceil_div(kv_end, keys) : 0, p.splits);
+  const Wmma2Partials partials = wmma2_partials(p);
+  const int64_t first_slot = wmma2_split_slot(p, b, kv_head, query_tile, 0);
+
+  CLEF_DYNAMIC_SHARED(float, combine_smem);
+  float* weight_s = combine_smem;                                // [64 rows][splits]: exp(m_s - m) / l
+  const int tid = threadIdx.x;
+  if (tid < kWmmaRows && q0 + tid / group < s.q_len) {
+    const int r = tid;
+    float m = kNegInf;
+    for (int part = 0; part < active_splits; ++part) m = max_f32(m, partials.max[(first_slot + part) * kWmmaRows + r]);
+    float l = 0.0f;
+    for (int part = 0; part < active_splits; ++part) {
+      const int64_t at = (first_slot + part) * kWmmaRows + r;
+      // (The fault: every part weighted by the first part's max instead of its own.)
+      const float weight = exp_f32(CLEF_FAULT(wmma2_combine_wrong_max, partials.max[at],
+                                              partials.max[first_slot * kWmmaRows + r]) - m);
+      weight_s[r * p.splits + part] = weight;
+      l += weight * partials.sum[at];
+    }
+    const float inverse_l = l > 0.0f ? 1.0f / l : 0.0f;  // no key: zeros
+    for (int part = 0; part < active_splits; ++part) weight_s[r * p.splits + part] *= inverse_l;
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.out);
+  const int d_count = p.head_dim;
+  for (int e = tid; e < kWmmaRows * d_count; e += kSplitCombineThreads) {
+    const int r = e / d_count, d = e % d_count;
+    const int token = q0 + r / group;
+    if (token >= s.q_len) continue;
+    float value = 0.0f;
+    for (int part = 0; part < active_splits; ++part)
+      value += weight_s[r * p.splits + part] * partials.out[((first_slot + part) * kWmmaRows + r) * d_count + d];
+    out[attn_out_offset(s.q_start + token, kv_head * group + r % group, p) + d] = from_f32<T>(value);
+  }
 }
 
 }  // namespace clef

@@ -96,24 +96,71 @@ static const char* launch_wmma_for_head_dim(const PagedAttentionParams& p, Atten
   return "the tensor-core kernel is compiled for head dims 64, 128 and 256 (within the device's shared memory)";
 }
 
-// The device's compute capability and per-block shared memory; zeros (the SIMT kernel, the 48 KB
-// default) when it cannot be read.
+// v2, then (split) the combine of its parts.
+template <typename T, int D, int KEYS>
+static const char* launch_attention_wmma2(const PagedAttentionParams& p, cudaStream_t stream) {
+  const unsigned q_tiles = static_cast<unsigned>(paged_attention_wmma2_query_tiles(p));
+  const unsigned parts = static_cast<unsigned>(p.splits);
+  constexpr int smem = Wmma2Layout<D, KEYS>::kBytes;
+  auto* kernel = &paged_attention_wmma2_kernel<T, D, KEYS>;
+  if (const char* err = opt_in(kernel, smem)) return err;
+  CLEF_LAUNCH(kernel, dim3(q_tiles, p.num_kv_heads, p.batch * parts), kWmma2Threads, smem, stream)(p);
+  if (p.splits == 1) return last_error();
+  if (const char* err = last_error()) return err;
+  const int combine_smem = kWmmaRows * p.splits * static_cast<int>(sizeof(float));
+  auto* combine = &paged_attention_split_combine_kernel<T>;
+  CLEF_LAUNCH(combine, dim3(q_tiles, p.num_kv_heads, p.batch), kSplitCombineThreads, combine_smem, stream)(p, KEYS);
+  return last_error();
+}
+
+// v2 with the largest key tile the device's shared memory holds.
+template <typename T>
+static const char* launch_wmma2_for_head_dim(const PagedAttentionParams& p, AttentionDevice device,
+                                             cudaStream_t stream) {
+  if (p.batch == 0 || p.num_tokens == 0) return nullptr;
+  if (p.splits < 1 || p.splits > kWmma2MaxSplits)
+    return "paged_attention: v2's split count is out of range (1..kWmma2MaxSplits)";
+  if (p.splits > 1 &&
+      (p.split_workspace == nullptr || p.split_workspace_bytes < paged_attention_wmma2_workspace_bytes(p, p.splits)))
+    return "paged_attention: v2's split-context pass needs the workspace paged_attention_cuda_choice sized";
+  const int keys = CLEF_FAULT(attention_ignores_smem_limit, paged_attention_wmma2_keys(p.head_dim, device.smem_limit),
+                              paged_attention_wmma2_key_options(p.head_dim, 0));
+  switch (p.head_dim * 1000 + keys) {
+    case 64032: return launch_attention_wmma2<T, 64, 32>(p, stream);
+    case 128032: return launch_attention_wmma2<T, 128, 32>(p, stream);
+    case 256032: return launch_attention_wmma2<T, 256, 32>(p, stream);
+    case 256016: return launch_attention_wmma2<T, 256, 16>(p, stream);
+  }
+  return "the tensor-core kernel v2 is compiled for head dims 64, 128 and 256 (within the device's shared memory)";
+}
+
+// The device's compute capability, per-block shared memory and SM count; zeros (the SIMT kernel, the
+// 48 KB default, no split) when it cannot be read.
 static AttentionDevice current_device() {
-  int device = 0, major = 0, minor = 0, optin = 0;
+  int device = 0, major = 0, minor = 0, optin = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     cudaGetLastError();  // clear it: the SIMT kernel is the safe answer
-    return AttentionDevice{0, kDefaultSmemBytes};
+    return AttentionDevice{0, kDefaultSmemBytes, 0};
   }
-  return AttentionDevice{10 * major + minor, optin > kDefaultSmemBytes ? optin : kDefaultSmemBytes};
+  return AttentionDevice{10 * major + minor, optin > kDefaultSmemBytes ? optin : kDefaultSmemBytes, sms};
 }
 
 AttentionChoice paged_attention_cuda_choice(const PagedAttentionParams& p, ScalarKind kind) {
   const AttentionDevice device = current_device();
   AttentionChoice choice{paged_attention_choose_kernel(p, kind, device), nullptr};
   if (choice.kernel == AttentionKernel::Wmma) choice.error = paged_attention_wmma_unsupported(p, kind, device);
+  if (choice.kernel == AttentionKernel::WmmaV2) {
+    choice.error = paged_attention_wmma2_unsupported(p, kind, device);
+    if (choice.error == nullptr) {
+      const int keys = paged_attention_wmma2_keys(p.head_dim, device.smem_limit);
+      choice.splits = paged_attention_wmma2_splits(p, device, keys);
+      choice.workspace_bytes = paged_attention_wmma2_workspace_bytes(p, choice.splits);
+    }
+  }
   return choice;
 }
 
@@ -122,6 +169,14 @@ const char* paged_attention_cuda(const PagedAttentionParams& p, ScalarKind kind,
   const AttentionDevice device = current_device();
   const AttentionChoice choice = paged_attention_cuda_choice(p, kind);
   if (choice.error != nullptr) return choice.error;
+  if (choice.kernel == AttentionKernel::WmmaV2) {
+    switch (kind) {
+      case ScalarKind::F16: return launch_wmma2_for_head_dim<__half>(p, device, stream);
+      case ScalarKind::BF16: return launch_wmma2_for_head_dim<__nv_bfloat16>(p, device, stream);
+      case ScalarKind::F32: break;  // paged_attention_wmma2_unsupported said so already
+    }
+    return "paged_attention: the tensor-core kernel takes f16 or bf16";
+  }
   if (choice.kernel == AttentionKernel::Wmma) {
     switch (kind) {
       case ScalarKind::F16: return launch_wmma_for_head_dim<__half>(p, device, stream);

@@ -10,9 +10,13 @@ void reshape_and_cache_cpu(const CacheWriteParams& p, ScalarKind kind);
 const char* paged_attention_cuda(const PagedAttentionParams& p, ScalarKind kind, void* stream);
 // The kernel paged_attention_cuda runs for these params on the current device (the rule applied at its
 // compute capability), and why it cannot when the caller forced a kernel that does not fit (else null).
+// For WmmaV2 also its split-context parts (paged_attention_wmma2_splits) and the workspace bytes they
+// need, which the caller allocates and passes in the params (split_workspace) with `splits`.
 struct AttentionChoice {
   AttentionKernel kernel;
   const char* error;
+  int splits = 1;
+  int64_t workspace_bytes = 0;
 };
 AttentionChoice paged_attention_cuda_choice(const PagedAttentionParams& p, ScalarKind kind);
 void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind);

@@ -1,4 +1,6 @@
 // Host entries of the paged KV cache family: check every argument, fill the params, dispatch.
+#include <ATen/ops/empty.h>
+
 #include <cstdio>
 #include <string>
 
@@ -93,8 +95,19 @@ AttentionKernel parse_kernel(c10::string_view kernel, const char* op) {
   if (kernel == "auto") return AttentionKernel::Auto;
   if (kernel == "simt") return AttentionKernel::Simt;
   if (kernel == "wmma") return AttentionKernel::Wmma;
-  TORCH_CHECK_VALUE(false, op, ": kernel must be 'auto', 'simt' or 'wmma', got '", std::string(kernel), "'");
+  if (kernel == "wmma2") return AttentionKernel::WmmaV2;
+  TORCH_CHECK_VALUE(false, op, ": kernel must be 'auto', 'simt', 'wmma' or 'wmma2', got '", std::string(kernel), "'");
   return AttentionKernel::Auto;  // not reached
+}
+
+const char* kernel_name(AttentionKernel kernel) {
+  switch (kernel) {
+    case AttentionKernel::Auto: return "auto";
+    case AttentionKernel::Simt: return "simt";
+    case AttentionKernel::Wmma: return "wmma";
+    case AttentionKernel::WmmaV2: return "wmma2";
+  }
+  return "?";
 }
 
 // CPU tensors run the one CPU implementation (except under the CUDA simulator, which runs the CUDA
@@ -166,19 +179,20 @@ PagedAttentionParams attention_params(const at::Tensor& query, const at::Tensor&
 
 // The kernel the CUDA launcher will run for p on query's device; a forced one that cannot run p raises
 // ValueError saying why (before any launch).
-AttentionKernel checked_cuda_choice(const PagedAttentionParams& p, const at::Tensor& query, const char* op) {
+AttentionChoice checked_cuda_choice(const PagedAttentionParams& p, const at::Tensor& query, const char* op) {
 #if defined(CLEF_WITH_CUDA) || defined(CLEF_CUDA_SIM)
 #ifdef CLEF_WITH_CUDA
   c10::cuda::CUDAGuard guard(query.device());
 #endif
   const AttentionChoice choice = paged_attention_cuda_choice(p, activation_kind(query, op, "query"));
-  TORCH_CHECK_VALUE(choice.error == nullptr, op, ": kernel='wmma' cannot run these arguments: ", choice.error);
-  return choice.kernel;
+  TORCH_CHECK_VALUE(choice.error == nullptr, op, ": kernel='", kernel_name(choice.kernel),
+                    "' cannot run these arguments: ", choice.error);
+  return choice;
 #else
   (void)p;
   TORCH_CHECK(false, op, ": clef_cuda._C was built without CUDA kernels, so ", query.device(),
               " tensors cannot run; rebuild it with a CUDA toolchain (README)");
-  return AttentionKernel::Simt;  // not reached
+  return AttentionChoice{AttentionKernel::Simt, nullptr};  // not reached
 #endif
 }
 
@@ -202,6 +216,18 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
                     std::string(kernel), "' picks a CUDA kernel, but ", query.device(),
                     " tensors run the CPU implementation (pass kernel='auto')");
   if (p.kernel == AttentionKernel::Wmma) checked_cuda_choice(p, query, op);
+  // v2's split-context workspace, allocated here so the launcher stays torch-free. Freed when this returns:
+  // the caching allocator hands it out again only to work queued after the kernels on this stream.
+  at::Tensor split_workspace;
+  if (p.kernel == AttentionKernel::WmmaV2) {
+    const AttentionChoice choice = checked_cuda_choice(p, query, op);
+    if (choice.splits > 1) {
+      split_workspace = at::empty({choice.workspace_bytes}, query.options().dtype(at::kByte));
+      p.splits = choice.splits;
+      p.split_workspace = split_workspace.data_ptr();
+      p.split_workspace_bytes = choice.workspace_bytes;
+    }
+  }
   run_on_device(
       query, op, [&](void* stream) { return paged_attention_cuda(p, kind, stream); },
       [&] { paged_attention_cpu(p, kind); });
@@ -234,7 +260,7 @@ std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& 
       attention_params(query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, op);
   p.kernel = parse_kernel(kernel, op);
   if (!runs_cuda_launcher(query)) return "cpu";
-  return checked_cuda_choice(p, query, op) == AttentionKernel::Wmma ? "wmma" : "simt";
+  return kernel_name(checked_cuda_choice(p, query, op).kernel);
 }
 
 }  // namespace clef
