@@ -7,11 +7,11 @@ nvcc 13 cannot target sm_60..sm_70, so this is how CI proves the kernels still b
 (ptxas included) for the same instantiations the launchers dispatch, prints ptxas' resource usage per
 kernel and arch (registers, registers x the block size its __launch_bounds__ declares, static shared
 memory, spills) and, per arch, which paged-attention tile each head dim gets and its dynamic shared
-memory, computed by the launchers' own functions (csrc/paged_attention/paged_attention.h) against the
-arch's per-block limit. It fails when a kernel spills, exceeds 255 registers a thread, 64 K registers a
-block or 48 KB of static shared memory, or when a head dim has no tile that fits an arch (a tensor-core
-tile from sm_70 on; the SIMT one everywhere). `--arch sm_70` checks one (make check-sm70).
-tests/test_check_archs.py runs it.
+memory (v1's and v2's tensor-core tiles, the SIMT one), computed by the launchers' own functions
+(csrc/paged_attention/paged_attention.h) against the arch's per-block limit. It fails when a kernel
+spills, exceeds 255 registers a thread, 64 K registers a block or 48 KB of static shared memory, or when
+a head dim has no tile that fits an arch (tensor-core tiles from sm_70 on; the SIMT one everywhere).
+`--arch sm_70` checks one (make check-sm70). tests/test_check_archs.py runs it.
 
 Needs the PyPI packages nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12 (crt/ headers),
 nvidia-cuda-cccl-cu12 (cuda/std) and nvidia-cuda-runtime-cu12 (cuda_fp16.h), all 12.9, either in this
@@ -89,6 +89,16 @@ FAMILIES = {
             f"template __global__ void clef::paged_attention_wmma_kernel<{t}, {d}, {k}>(clef::PagedAttentionParams);"
             for t in DTYPES[1:]
             for d, k in ((64, 64), (128, 32), (256, 32), (256, 16))
+        ]
+        + [
+            f"template __global__ void clef::paged_attention_wmma2_kernel<{t}, {d}, {k}>(clef::PagedAttentionParams);"
+            for t in DTYPES[1:]
+            for d, k in ((64, 32), (128, 32), (256, 32), (256, 16))
+        ]
+        + [
+            f"template __global__ void clef::paged_attention_split_combine_kernel<{t}>"
+            "(clef::PagedAttentionParams, int);"
+            for t in DTYPES[1:]
         ],
         # the launchers' switch cases: head_dim * 1000 + keys per tile
         [16032, 32032, 64032, 128032, 256016, 256008, 64064, 256032],
@@ -208,7 +218,7 @@ class Tile:
     """The paged-attention tile an arch gets for a head dim: keys per tile and its dynamic shared memory
     (0 keys: no tile fits)."""
 
-    kernel: str  # "wmma" | "simt"
+    kernel: str  # "wmma" | "wmma2" | "simt"
     head_dim: int
     keys: int
     bytes: int
@@ -283,6 +293,10 @@ int main(int, char** argv) {
   for (int d : {64, 128, 256}) {
     const int keys = clef::paged_attention_wmma_keys(d, limit);
     std::printf("wmma %d %d %d\n", d, keys, keys ? clef::paged_attention_wmma_smem_bytes(d, keys) : 0);
+  }
+  for (int d : {64, 128, 256}) {
+    const int keys = clef::paged_attention_wmma2_keys(d, limit);
+    std::printf("wmma2 %d %d %d\n", d, keys, keys ? clef::paged_attention_wmma2_smem_bytes(d, keys) : 0);
   }
 }
 """
@@ -363,14 +377,14 @@ def print_report(report: Report, quiet: bool) -> None:
     print("     paged-attention tiles (keys per tile, dynamic shared memory):")
     tensor_cores = int(report.arch.removeprefix("sm_")) >= 70
     for t in report.tiles:
-        if t.kernel == "wmma" and not tensor_cores:
+        if t.kernel != "simt" and not tensor_cores:
             continue
-        where = f"     {t.kernel:4s} D={t.head_dim:<3d}"
+        where = f"     {t.kernel:5s} D={t.head_dim:<3d}"
         if t.keys:
             how = "opt-in" if t.opt_in else "48 KB default"
             print(f"{where} {t.keys:>2d} keys {t.bytes:>6d} B ({t.bytes / 1024:.2f} KB, {how})")
         else:
-            print(f"{where} none fits: {'the SIMT kernel runs' if t.kernel == 'wmma' else 'FAIL'}")
+            print(f"{where} none fits: {'FAIL' if t.kernel == 'simt' else 'the SIMT kernel runs'}")
     if not tensor_cores:
         print("     wmma: no tensor cores before sm_70 (the SIMT kernel runs; f16 activations, or f32 on sm_61)")
 

@@ -1,7 +1,8 @@
 """Every CUDA kernel compiles for every GPU generation we serve, sm_60 (P100) to sm_90, with CUDA 12.9's
 NVRTC (scripts/check_archs.py): no spills, ptxas' figures within each arch's limits, a paged-attention
-tile for every head dim within the arch's shared memory per block (a tensor-core one from sm_70, the
-D = 256 one on a T4 in 64 KB), and the limit checks themselves shown to fail on kernels over them."""
+tile for every head dim within the arch's shared memory per block (tensor-core ones, v1's and v2's, from
+sm_70, the D = 256 ones on a T4 in 64 KB), and the limit checks themselves shown to fail on kernels over
+them."""
 
 from __future__ import annotations
 
@@ -76,6 +77,26 @@ def test_the_tensor_core_kernels_do_not_spill_where_they_run():
         f16 = [k for name, k in wmma.items() if "__half" in name]
         assert all(k.registers > 32 for k in f16), f16  # real tensor-core code, not a trap
     assert all(k.registers < 16 for k in report("sm_60").kernels if "paged_attention_wmma_kernel" in k.name)
+
+
+def test_tensor_core_v2_fits_every_tensor_core_card_without_spills():
+    """v2 (kernel="wmma2", 256 threads): at D = 256 the 32-key tile (86 KB) where the opt-in allows it and
+    the 16-key one (61.25 KB) in a T4's 64 KB; eight instantiations and two combine kernels, no spills; below
+    sm_70 (and bf16 below sm_80) a trap the launcher never reaches."""
+    assert tiles("sm_75")[("wmma2", 256)] == (16, 62720)
+    for arch in ("sm_70", "sm_80", "sm_86", "sm_89", "sm_90"):
+        assert tiles(arch)[("wmma2", 256)] == (32, 88064), arch
+    for arch in ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90"):
+        assert tiles(arch)[("wmma2", 64)][0] == 32 and tiles(arch)[("wmma2", 128)][0] == 32, arch
+    for arch in ("sm_70", "sm_75", "sm_90"):
+        v2 = {k.name: k for k in report(arch).kernels if "paged_attention_wmma2_kernel" in k.name}
+        assert len(v2) == 8, sorted(v2)
+        for kernel in v2.values():
+            assert kernel.threads == 256 and kernel.spill_bytes == 0, kernel
+        assert all(k.registers > 32 for name, k in v2.items() if "__half" in name)  # real tensor-core code
+        combine = [k for k in report(arch).kernels if "paged_attention_split_combine_kernel" in k.name]
+        assert len(combine) == 2 and all(k.spill_bytes == 0 for k in combine), combine
+    assert all(k.registers < 16 for k in report("sm_60").kernels if "paged_attention_wmma2_kernel" in k.name)
 
 
 def test_the_limit_checks_fail_kernels_over_the_limits():
