@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Attention prefill on a GPU: our tensor-core (WMMA) and SIMT paged_attention kernels against torch's
-SDPA with each backend forced (flash, memory-efficient, math), then one full trunk step split by op.
+"""Attention prefill on a GPU: our tensor-core kernels (WMMA v1 and v2) and SIMT paged_attention kernel
+against torch's SDPA with each backend forced (flash, memory-efficient, math), then one full trunk step
+split by op.
 
 Attention at clef-flash's shapes (16 query / 4 KV heads x 256, KV blocks of 16, f16): 1 and 4 records,
 contexts of 1k, 4k and 16k tokens, each step a 1024-token chunk at the end of the context (a fresh 1k
-prefill; a chunk after a cached 3k or 15k prefix), causal inside the chunk. Ours reads the paged cache
+prefill; a chunk after a cached 3k or 15k prefix) and a 64-token one (a prefix-cache hit: few CTAs, where
+v2's split-context pass runs), causal inside the chunk. Ours reads the paged cache
 (blocks scattered); SDPA gets the same K/V already gathered into contiguous tensors and a lower-right
 causal mask. Rate = 4 Hq D x (query, attended key) pairs / time, against an f16 GEMM measured in the same
 run. The trunk step: clef-flash's 32 layers (24 Gated DeltaNet, 8 attention) on random weights, 4 records
@@ -51,6 +53,7 @@ HQ, HKV, D, BLOCK = (
 FLASH_TRUNK = dataclasses.replace(FLASH_LAYERS, layer_types=((LINEAR_ATTENTION,) * 3 + (FULL_ATTENTION,)) * 8)
 # Device time of a trunk step, grouped by kernel name (first match wins).
 KERNEL_GROUPS = [
+    ("paged attention, tensor cores v2", r"paged_attention_wmma2|paged_attention_split_combine"),
     ("paged attention, tensor cores", r"paged_attention_wmma"),
     ("paged attention, SIMT", r"paged_attention_kernel"),
     ("paged attention, CPU", r"clef::paged_attention"),
@@ -120,7 +123,7 @@ def attention_case(records: int, context: int, chunk: int, dtype, device) -> Att
     context_lens = torch.full((records,), context, dtype=torch.int32, device=device)
     out = torch.empty_like(query)
     args = (query, key_cache, value_cache, cu, context_lens, block_tables)
-    kernels = ("wmma", "simt") if device.type == "cuda" else ("auto",)
+    kernels = ("wmma", "wmma2", "simt") if device.type == "cuda" else ("auto",)
     runs = {f"ours {k}": (lambda k=k: ops.paged_attention(*args, out=out, kernel=k)) for k in kernels}
     notes = {}
     for name, fn in list(runs.items()):
@@ -205,6 +208,7 @@ def main() -> int:
     parser.add_argument("--records", default="1,4")
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--hit-chunk", type=int, default=64, help="a prefix-cache hit's chunk (0: none)")
     parser.add_argument("--trunk-context", type=int, default=4096, help="context of the profiled trunk step")
     parser.add_argument("--no-trunk", action="store_true", help="skip the trunk step (it needs ~20 GB)")
     parser.add_argument("--markdown", help="write the tables, with date and device, to this file")
@@ -215,10 +219,11 @@ def main() -> int:
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     records = [int(r) for r in args.records.split(",")]
     contexts, chunk, trunk_config = [int(c) for c in args.contexts.split(",")], args.chunk, FLASH_TRUNK
+    hit_chunk = args.hit_chunk
     trunk_context = args.trunk_context
     if args.dry_run:
         dtype = dtype if device.type == "cuda" else torch.float32  # the CPU kernels are fp32
-        contexts, chunk, records, trunk_context = [48, 80], 32, [1, 2], 80
+        contexts, chunk, records, trunk_context, hit_chunk = [48, 80], 32, [1, 2], 80, 8
         trunk_config = dataclasses.replace(
             FLASH_TRUNK, hidden_size=256, intermediate_size=512, layer_types=FLASH_TRUNK.layer_types[:4]
         )
@@ -227,31 +232,21 @@ def main() -> int:
     _, gemm_tflops = measured_peaks(device, dtype, measure) if not args.dry_run else (0.0, 0.0)
 
     rows = []
-    for n in records:
-        for context in contexts:
-            case = attention_case(n, context, min(chunk, context), dtype, device)
-            for method, fn in case.runs.items():
-                seconds = measure(fn)
-                rate = case.flops / seconds / 1e12 if seconds else 0.0
-                peak = f"{100 * rate / gemm_tflops:.1f}%" if gemm_tflops else "-"
-                rows.append(
-                    [
-                        f"B={n} ctx={context}",
-                        method,
-                        f"{seconds * 1e3:.3f}",
-                        f"{rate:.2f}",
-                        peak,
-                        case.notes.get(method, ""),
-                    ]
-                )
-                print(f"  B={n} ctx={context:<6d} {method:20s} {seconds * 1e3:9.3f} ms {rate:8.2f} TFLOP/s", flush=True)
-            rows += [
-                [f"B={n} ctx={context}", m, "-", "-", "-", note] for m, note in case.notes.items() if m not in case.runs
-            ]
-            rows.append([f"B={n} ctx={context}", "(auto picks)", "-", "-", "-", case.auto])
-            del case
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    chunks = [c for c in dict.fromkeys([chunk, hit_chunk]) if c > 0]
+    for n, context, q in ((n, context, q) for n in records for context in contexts for q in chunks):
+        case = attention_case(n, context, min(q, context), dtype, device)
+        label = f"B={n} ctx={context}" + ("" if q == chunk else f" hit q={case.chunk}")
+        for method, fn in case.runs.items():
+            seconds = measure(fn)
+            rate = case.flops / seconds / 1e12 if seconds else 0.0
+            peak = f"{100 * rate / gemm_tflops:.1f}%" if gemm_tflops else "-"
+            rows.append([label, method, f"{seconds * 1e3:.3f}", f"{rate:.2f}", peak, case.notes.get(method, "")])
+            print(f"  {label:24s} {method:20s} {seconds * 1e3:9.3f} ms {rate:8.2f} TFLOP/s", flush=True)
+        rows += [[label, m, "-", "-", "-", note] for m, note in case.notes.items() if m not in case.runs]
+        rows.append([label, "(auto picks)", "-", "-", "-", case.auto])
+        del case
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     profile_rows, step_ms = [], 0.0
     if not args.no_trunk:
@@ -267,7 +262,8 @@ def main() -> int:
         f"### {stamp}, {name}, {dtype_name}, torch {torch.__version__}: attention prefill"
         + (" (dry run: toy sizes, untimed)" if args.dry_run else ""),
         "",
-        f"H={HQ}/{HKV} D={D}, {chunk}-token chunks ending the context, blocks of {BLOCK}. GEMM ({dtype_name}, "
+        f"H={HQ}/{HKV} D={D}, {chunk}-token chunks ending the context ('hit q=': a {hit_chunk}-token prefix-cache "
+        f"hit), blocks of {BLOCK}. GEMM ({dtype_name}, "
         f"measured in this run): {gemm_tflops:.1f} TFLOP/s. SDPA runs on K/V gathered to contiguous tensors.",
         "",
         "| case | method | ms | TFLOP/s | % of GEMM | note |",
