@@ -193,6 +193,84 @@ struct WmmaCompiled<__nv_bfloat16> {
 // (The grid is bounded by the whole pack; a tile past a sequence's queries exits at once.)
 CLEF_HD int wmma_query_tile(int grid_x, int block_x) { return grid_x - 1 - block_x; }
 
+// Both tensor-core kernels' pieces that do the same job the same way.
+
+// Row r of the CTA's 64 query rows is query token q0 + r / group, query head kv_head * group + r % group;
+// rows past the sequence's queries are zeros (and are never written out). THREADS: the CTA's.
+template <typename T, int D, int ROW_STRIDE, int THREADS>
+__device__ __forceinline__ void stage_query_rows(T* q_s, const PagedAttentionParams& p, const AttnSeq& s, int q0,
+                                                 int group, int kv_head) {
+  constexpr int VEC = 8;  // elements per 16-byte copy
+  const T* query = static_cast<const T*>(p.query);
+  for (int e = threadIdx.x; e < kWmmaRows * (D / VEC); e += THREADS) {
+    const int r = e / (D / VEC), c = (e % (D / VEC)) * VEC;
+    const int qi = q0 + r / group;
+    T* dst = q_s + r * ROW_STRIDE + c;
+    if (qi < s.q_len)
+      copy16(dst, query + attn_query_offset(s.q_start + qi, kv_head * group + r % group, p) + c);
+    else
+      zero16(dst);
+  }
+}
+
+// The mapping of accumulator elements to lanes is unspecified, but load, mma and store agree on it: a
+// fragment loaded from a tile holding each element's row index tells every lane the row of each of its
+// elements, which the per-row softmax rescaling of O needs. Kept as 4 bits per element (one register on
+// a GPU: D = 256 needs every other one for O).
+template <int ELEMS>
+struct AccumulatorRows {
+  unsigned packed[(ELEMS + 7) / 8];
+  __device__ __forceinline__ unsigned operator[](int i) const { return (packed[i / 8] >> (4 * (i % 8))) & 15u; }
+};
+
+// Learnt in `scratch` (256 floats of the warp's own, 32-byte aligned; free again after a __syncwarp).
+template <typename Accumulator>
+__device__ __forceinline__ AccumulatorRows<Accumulator::num_elements> accumulator_rows(float* scratch, int lane) {
+  for (int e = lane; e < 256; e += 32) scratch[e] = static_cast<float>(e / 16);
+  __syncwarp();
+  AccumulatorRows<Accumulator::num_elements> rows = {};
+  Accumulator row_index;
+  nvcuda::wmma::load_matrix_sync(row_index, scratch, 16, nvcuda::wmma::mem_row_major);
+#pragma unroll
+  for (int i = 0; i < Accumulator::num_elements; ++i)
+    rows.packed[i / 8] |= static_cast<unsigned>(row_index.x[i]) << (4 * (i % 8));
+  return rows;
+}
+
+// One tile of the online softmax for the row that lanes 2r and 2r+1 share (keys `parity` + 2 m), in fp32:
+// the scale is applied to the fp32 scores, not to the 2-byte queries. A key the row may not attend
+// (live(kk) false) scores kNegInf (-1e30), which the exp pass turns into 0; real scores are assumed above
+// it, as the running max's starting value (hd.h) already assumes in every kernel. The probabilities may
+// overwrite the scores (the same row bytes). Updates l_run; the caller keeps m_run (the step's m).
+template <typename T, int KEYS, typename Live>
+__device__ __forceinline__ SoftmaxStep softmax_row_tile(const float* score_row, T* prob_row, float scale, Live live,
+                                                        float m_run, float& l_run, int parity) {
+  constexpr int KEYS_PER_LANE = KEYS / 2;
+  float score[KEYS_PER_LANE];
+  float tile_max = kNegInf;
+#pragma unroll
+  for (int m = 0; m < KEYS_PER_LANE; ++m) {
+    const int kk = parity + 2 * m;
+    score[m] = live(kk) ? score_row[kk] * scale : kNegInf;
+    tile_max = max_f32(tile_max, score[m]);
+  }
+  tile_max = group_max<2>(tile_max);
+  const SoftmaxStep step = softmax_step(m_run, tile_max);
+  __syncwarp();  // both lanes of a row have read its scores before its probabilities overwrite them
+  float tile_sum = 0.0f;
+#pragma unroll
+  for (int m = 0; m < KEYS_PER_LANE; ++m) {
+    // Rounded once to the cache dtype for the tensor cores; the row sum adds the rounded values, so
+    // the weights that multiply V are exactly the ones that normalise the row.
+    const T prob = from_f32<T>(score[m] > kNegInf ? exp_f32(score[m] - step.m) : 0.0f);
+    prob_row[parity + 2 * m] = prob;
+    tile_sum += to_f32(prob);
+  }
+  tile_sum = group_sum<2>(tile_sum);
+  l_run = l_run * step.alpha + tile_sum;
+  return step;
+}
+
 // KEYS: keys per K/V tile (paged_attention_wmma_keys picks it from the device's limit).
 template <typename T, int D, int KEYS>
 __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionParams& p) {
@@ -205,7 +283,6 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
   constexpr int D_TILES = D / 16;   // 16-column tiles of a head
   constexpr int K_TILES = KEYS / 16;
   constexpr int VEC = 8;            // elements per 16-byte copy
-  constexpr int KEYS_PER_LANE = KEYS / 2;  // two lanes per row in the softmax
   constexpr int ELEMS = Accumulator::num_elements;
 
   const int group = p.num_q_heads / p.num_kv_heads;  // divides kWmmaRows (paged_attention_wmma_unsupported)
@@ -224,7 +301,6 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
   float* alpha_s = reinterpret_cast<float*>(wmma_smem + Layout::kAlpha);
   int64_t* key_off_s = reinterpret_cast<int64_t*>(wmma_smem + Layout::kKeyOffsets);  // [2][KEYS]
 
-  const T* query = static_cast<const T*>(p.query);
   const T* key_cache = static_cast<const T*>(p.key_cache);
   const T* value_cache = static_cast<const T*>(p.value_cache);
   T* out = static_cast<T*>(p.out);
@@ -232,32 +308,11 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
   const int warp = tid / 32;
   const int lane = tid % 32;
 
-  // Row r of the tile is query token q0 + r / group, query head kv_head * group + r % group; rows past
-  // the sequence's queries are zeros (and are never written out).
-  for (int e = tid; e < kWmmaRows * (D / VEC); e += kWmmaThreads) {
-    const int r = e / (D / VEC), c = (e % (D / VEC)) * VEC;
-    const int qi = q0 + r / group;
-    T* dst = q_s + r * RS + c;
-    if (qi < s.q_len)
-      copy16(dst, query + attn_query_offset(s.q_start + qi, kv_head * group + r % group, p) + c);
-    else
-      zero16(dst);
-  }
+  stage_query_rows<T, D, RS, kWmmaThreads>(q_s, p, s, q0, group, kv_head);
 
-  // The mapping of accumulator elements to lanes is unspecified, but load, mma and store agree on it:
-  // a fragment loaded from a tile holding each element's row index tells every lane the row of each of
-  // its elements, which the per-row softmax rescaling of O needs. Built in the warp's own score rows,
-  // kept as 4 bits per element (one register on a GPU: D = 256 needs every other one for O).
+  // Each lane's accumulator elements' rows, learnt in the warp's own score rows.
   float* warp_s = s_s + 16 * warp * SS;
-  for (int e = lane; e < 256; e += 32) warp_s[e] = static_cast<float>(e / 16);
-  __syncwarp();
-  unsigned rows_of[(ELEMS + 7) / 8] = {};
-  {
-    Accumulator row_index;
-    wmma::load_matrix_sync(row_index, warp_s, 16, wmma::mem_row_major);
-#pragma unroll
-    for (int i = 0; i < ELEMS; ++i) rows_of[i / 8] |= static_cast<unsigned>(row_index.x[i]) << (4 * (i % 8));
-  }
+  const AccumulatorRows<ELEMS> rows_of = accumulator_rows<Accumulator>(warp_s, lane);
   __syncwarp();
 
   // Keys the CTA may need (up to the causal position of its last token) and the ones this warp's rows
@@ -317,34 +372,13 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
     }
     __syncwarp();
 
-    // Online softmax in fp32 (scale applied to the fp32 scores, not to the 2-byte queries). A key the row
-    // may not attend scores kNegInf (-1e30), which the exp pass turns into 0; real scores are assumed
-    // above it, as the running max's starting value (hd.h) already assumes in both kernels.
-    float score[KEYS_PER_LANE];
-    float tile_max = kNegInf;
-#pragma unroll
-    for (int m = 0; m < KEYS_PER_LANE; ++m) {
-      const int kk = half + 2 * m;
+    // Online softmax in fp32, the probabilities written over the row's scores.
+    auto live = [&](int kk) {
       const bool in_tile = offsets[kk] >= 0;
-      const bool live = CLEF_FAULT(wmma_skip_causal_mask, in_tile && k0 + kk <= row_pos, in_tile);
-      score[m] = live ? s_s[row * SS + kk] * p.scale : kNegInf;
-      tile_max = max_f32(tile_max, score[m]);
-    }
-    tile_max = group_max<2>(tile_max);
-    const SoftmaxStep step = softmax_step(m_run, tile_max);
-    __syncwarp();  // both lanes of a row have read its scores before its probabilities overwrite them
+      return CLEF_FAULT(wmma_skip_causal_mask, in_tile && k0 + kk <= row_pos, in_tile);
+    };
     T* p_row = reinterpret_cast<T*>(s_s + row * SS);
-    float tile_sum = 0.0f;
-#pragma unroll
-    for (int m = 0; m < KEYS_PER_LANE; ++m) {
-      // Rounded once to the cache dtype for the tensor cores; the row sum adds the rounded values, so
-      // the weights that multiply V are exactly the ones that normalise the row.
-      const T prob = from_f32<T>(score[m] > kNegInf ? exp_f32(score[m] - step.m) : 0.0f);
-      p_row[half + 2 * m] = prob;
-      tile_sum += to_f32(prob);
-    }
-    tile_sum = group_sum<2>(tile_sum);
-    l_run = l_run * step.alpha + tile_sum;
+    const SoftmaxStep step = softmax_row_tile<T, KEYS>(s_s + row * SS, p_row, p.scale, live, m_run, l_run, half);
     m_run = step.m;
     if (half == 0) alpha_s[row] = step.alpha;
     __syncwarp();
@@ -353,7 +387,7 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
 #pragma unroll
     for (int i = 0; i < ELEMS; ++i) {
       // (The fault: assuming the simulator's 256 elements are in row-major order, as no GPU lays them out.)
-      const unsigned r = CLEF_FAULT(wmma_assumes_element_order, (rows_of[i / 8] >> (4 * (i % 8))) & 15u, i / 16);
+      const unsigned r = CLEF_FAULT(wmma_assumes_element_order, rows_of[i], static_cast<unsigned>(i / 16));
       alpha[i] = alpha_s[16 * warp + r];
     }
 #pragma unroll
@@ -448,7 +482,6 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
   constexpr int HALF_TILES = D_TILES / 2;  // output column tiles a warp holds
   constexpr int K_TILES = KEYS / 16;
   constexpr int VEC = 8;                   // elements per 16-byte copy
-  constexpr int KEYS_PER_LANE = KEYS / 2;  // two lanes per row in the softmax
   constexpr int ELEMS = Accumulator::num_elements;
   constexpr int CHUNKS_PER_THREAD = KEYS * (D / VEC) / kWmma2Threads;  // 16-byte pieces of K (and of V)
   static_assert(KEYS * (D / VEC) % kWmma2Threads == 0, "a K/V tile must split evenly over the threads");
@@ -478,7 +511,6 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
   T* v_s = reinterpret_cast<T*>(wmma2_smem + Layout::kV);  // [KEYS][RS]
   int64_t* key_off_s = reinterpret_cast<int64_t*>(wmma2_smem + Layout::kKeyOffsets);  // [2][KEYS]
 
-  const T* query = static_cast<const T*>(p.query);
   const T* key_cache = static_cast<const T*>(p.key_cache);
   const T* value_cache = static_cast<const T*>(p.value_cache);
   const int tid = threadIdx.x;
@@ -497,30 +529,12 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
   if (tid < KEYS && tiles > 0) key_off_s[tid] = key_offset(first_tile, tid);
   if (tid < KEYS && tiles > 1) key_off_s[KEYS + tid] = key_offset(first_tile + 1, tid);
 
-  // Row r of the tile is query token q0 + r / group, query head kv_head * group + r % group; rows past
-  // the sequence's queries are zeros (and are never written out).
-  for (int e = tid; e < kWmmaRows * (D / VEC); e += kWmma2Threads) {
-    const int r = e / (D / VEC), c = (e % (D / VEC)) * VEC;
-    const int qi = q0 + r / group;
-    T* dst = q_s + r * RS + c;
-    if (qi < s.q_len)
-      copy16(dst, query + attn_query_offset(s.q_start + qi, kv_head * group + r % group, p) + c);
-    else
-      zero16(dst);
-  }
+  stage_query_rows<T, D, RS, kWmma2Threads>(q_s, p, s, q0, group, kv_head);
 
-  // Each lane's accumulator elements' rows, learnt as v1 does (its comment says why), in scratch space
-  // of the K/V tiles that the first barrier below protects.
-  unsigned rows_of[(ELEMS + 7) / 8] = {};
-  {
-    float* scratch = reinterpret_cast<float*>(wmma2_smem + Layout::kK) + 256 * warp;
-    for (int e = lane; e < 256; e += 32) scratch[e] = static_cast<float>(e / 16);
-    __syncwarp();
-    Accumulator row_index;
-    wmma::load_matrix_sync(row_index, scratch, 16, wmma::mem_row_major);
-#pragma unroll
-    for (int i = 0; i < ELEMS; ++i) rows_of[i / 8] |= static_cast<unsigned>(row_index.x[i]) << (4 * (i % 8));
-  }
+  // Each lane's accumulator elements' rows, learnt in scratch space of the K/V tiles that the first
+  // barrier below protects.
+  const AccumulatorRows<ELEMS> rows_of =
+      accumulator_rows<Accumulator>(reinterpret_cast<float*>(wmma2_smem + Layout::kK) + 256 * warp, lane);
 
   // The pair's keys: a pair skips the products of a tile wholly past its rows' positions.
   const int pair_first_token = q0 + 16 * pair / group;
@@ -599,29 +613,11 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
       // (The fault: v1's whole-CTA count, 128, for a barrier only the pair's 64 threads reach.)
       bar_sync(1 + pair, CLEF_FAULT(wmma2_pair_barrier_count, kWmma2PairThreads, kWmmaThreads));
 
-      // Online softmax of the whole rows in fp32, as v1 (its comments say why).
-      float score[KEYS_PER_LANE];
-      float tile_max = kNegInf;
-#pragma unroll
-      for (int m = 0; m < KEYS_PER_LANE; ++m) {
-        const int kk = key_lane + 2 * m;
-        const bool live = offsets[kk] >= 0 && k0 + kk <= row_pos;
-        score[m] = live ? pair_s[(lane / 2) * SS + kk] * p.scale : kNegInf;
-        tile_max = max_f32(tile_max, score[m]);
-      }
-      tile_max = group_max<2>(tile_max);
-      const SoftmaxStep step = softmax_step(m_run, tile_max);
+      // Online softmax of the whole rows in fp32, into this warp's own probabilities.
+      auto live = [&](int kk) { return offsets[kk] >= 0 && k0 + kk <= row_pos; };
+      const SoftmaxStep step = softmax_row_tile<T, KEYS>(pair_s + (lane / 2) * SS, p_warp + (lane / 2) * PS, p.scale,
+                                                         live, m_run, l_run, key_lane);
       const bool max_rose = step.m > m_run;
-      T* p_row = p_warp + (lane / 2) * PS;
-      float tile_sum = 0.0f;
-#pragma unroll
-      for (int m = 0; m < KEYS_PER_LANE; ++m) {
-        const T prob = from_f32<T>(score[m] > kNegInf ? exp_f32(score[m] - step.m) : 0.0f);
-        p_row[key_lane + 2 * m] = prob;
-        tile_sum += to_f32(prob);
-      }
-      tile_sum = group_sum<2>(tile_sum);
-      l_run = l_run * step.alpha + tile_sum;
       m_run = step.m;
       if (key_lane == 0) alpha_w[lane / 2] = step.alpha;
       __syncwarp();
@@ -632,7 +628,7 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
       if (CLEF_FAULT(wmma2_rescale_vote, __any_sync(0xffffffffu, max_rose), __all_sync(0xffffffffu, max_rose))) {
         float alpha[ELEMS];
 #pragma unroll
-        for (int i_el = 0; i_el < ELEMS; ++i_el) alpha[i_el] = alpha_w[(rows_of[i_el / 8] >> (4 * (i_el % 8))) & 15u];
+        for (int i_el = 0; i_el < ELEMS; ++i_el) alpha[i_el] = alpha_w[rows_of[i_el]];
 #pragma unroll
         for (int j = 0; j < HALF_TILES; ++j) {
 #pragma unroll
@@ -678,9 +674,10 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
     return;
   }
 
-  // Each 16 x 16 accumulator tile goes out through 1 KB of the pair's Q rows as fp32 staging: both warps
-  // of the pair passed the barrier after their last S, so neither reads Q any more, and no other pair
-  // ever does. Lanes 2r, 2r+1 (which hold row r's l) normalise and write 8 columns of row r each.
+  // Each 16 x 16 accumulator tile goes out through 1 KB of the pair's Q rows as fp32 staging, as v1's
+  // through its score rows: both warps of the pair passed the barrier after their last S, so neither
+  // reads Q any more, and no other pair ever does. (Not a helper shared with v1: as one, ptxas gave v1
+  // 127 registers instead of 96 at D = 64 on sm_90, a CTA an SM fewer.)
   float* staging = reinterpret_cast<float*>(q_s + 16 * pair * RS) + 256 * half;
   T* out = static_cast<T*>(p.out);
   const int out_head = kv_head * group + row % group;
