@@ -5,7 +5,7 @@ Which implementation is fastest depends on the device (our CPU attention wins on
 SDPA on AVX2; a GPU's tensor-core kernel against cuDNN's), so the device decides. Ops and candidates:
 
 - paged_attention: ours (`ops.paged_attention`, the dispatch rule's kernel; on a GPU also the tensor-core
-  and SIMT kernels forced) and torch's SDPA on the context gathered from the pages, one candidate per
+  kernels v1 and v2 and the SIMT kernel forced: a card where v2 cannot run raises and is left out) and torch's SDPA on the context gathered from the pages, one candidate per
   backend the build offers (clef_cuda.sdpa).
 - int8_linear (with --quantize int8 on the CPU): dequantize + GEMM (ours) and torch._weight_int8pack_mm.
 
@@ -130,7 +130,7 @@ def _sdpa(backend: str) -> AttentionImpl:
 def attention_candidates(device: torch.device) -> dict[str, AttentionImpl]:
     candidates = {"ours": _ours("auto")}
     if device.type == "cuda":
-        candidates |= {"ours-wmma": _ours("wmma"), "ours-simt": _ours("simt")}
+        candidates |= {"ours-wmma": _ours("wmma"), "ours-wmma2": _ours("wmma2"), "ours-simt": _ours("simt")}
         candidates |= {name: _sdpa(name) for name in SDPA_BACKENDS}
     else:
         candidates |= {name: _sdpa(name) for name in CPU_SDPA}
