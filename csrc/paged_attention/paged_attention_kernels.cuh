@@ -595,7 +595,8 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
     const int64_t after_next = tid < KEYS && i + 2 < tiles ? key_offset(first_tile + i + 2, tid) : -1;
 
     if (pair_live && k0 < pair_kv_end) {  // uniform over the pair
-      // S = Q K^T, this warp's 16-key sub-tiles of the pair's rows (K^T read column-major, as v1).
+      // S = Q K^T, this warp's 16-key sub-tiles of the pair's rows (K^T read column-major, as v1). A
+      // 16-key tile (a T4's at D = 256) has one: the pair's odd warp waits for it at the barrier.
 #pragma unroll 1
       for (int j = half; j < K_TILES; j += 2) {
         Accumulator scores;
