@@ -220,8 +220,9 @@ class OpLibrary:
         query [N, Hq, D] (Hq a multiple of Hkv), caches [num_blocks, block_size, Hkv, D],
         cu_seqlens_q [B+1], context_lens [B] (cached keys, new ones included), block_tables [B, max_blocks].
         Query i of a sequence with q_len queries attends keys [0, context_len - q_len + i]. -> out [N, Hq, D].
-        kernel: "auto" (the dispatch rule; see paged_attention_dispatch), or "wmma" / "simt" to force the
-        tensor-core or the SIMT CUDA kernel (benchmarks, tests; CUDA tensors only).
+        kernel: "auto" (the dispatch rule; see paged_attention_dispatch), or "wmma" / "wmma2" / "simt" to
+        force the tensor-core kernel (v1, or v2: warp pairs, register prefetch, a split-context pass for
+        small grids) or the SIMT CUDA kernel (the start-up autotune, benchmarks, tests; CUDA tensors only).
         """
         query = _last_dim_contiguous(query)
         if out is None:
