@@ -272,7 +272,8 @@ class OpLibrary:
     def paged_attention_tiles(self, head_dim: int, compute_capability: int, smem_limit: int) -> str:
         """In words, the attention tiles a GPU of `compute_capability` (75 = sm_75) with `smem_limit` bytes of
         shared memory a block (cudaDevAttrMaxSharedMemoryPerBlockOptin) gets for `head_dim`: the launcher's
-        own rule, e.g. "tensor cores: 16 keys a tile (55.0 KB); SIMT: 16 keys a tile (49.3 KB)"."""
+        own rule, e.g. "tensor cores: 16 keys a tile (55.0 KB); tensor cores v2: 16 keys a tile (61.25 KB); SIMT:
+        16 keys a tile (49.3 KB)"."""
         return self._ops.paged_attention_tiles(head_dim, compute_capability, smem_limit)
 
     # ---- int8 weights ----------------------------------------------------------------------------

@@ -441,7 +441,8 @@ def test_the_tile_rule_in_words_is_the_launchers():
     from clef_cuda import ops
 
     assert ops.paged_attention_tiles(256, 75, 64 * 1024) == (
-        "tensor cores: 16 keys a tile (55.00 KB); SIMT: 16 keys a tile (49.38 KB)"
+        "tensor cores: 16 keys a tile (55.00 KB); tensor cores v2: 16 keys a tile (61.25 KB); "
+        "SIMT: 16 keys a tile (49.38 KB)"
     )
     assert ops.paged_attention_tiles(256, 70, 96 * 1024).startswith("tensor cores: 32 keys a tile (75.75 KB)")
     assert ops.paged_attention_tiles(256, 61, 48 * 1024) == "SIMT: 8 keys a tile (32.78 KB)"

@@ -247,6 +247,8 @@ std::string paged_attention_tiles(int64_t head_dim, int64_t compute_capability, 
   const bool tensor_cores = compute_capability >= 70 && paged_attention_wmma_head_dim(d);
   const int wmma = tensor_cores ? paged_attention_wmma_keys(d, limit) : 0;
   if (wmma > 0) out = tile("tensor cores", wmma, paged_attention_wmma_smem_bytes(d, wmma)) + "; ";
+  const int wmma2 = tensor_cores ? paged_attention_wmma2_keys(d, limit) : 0;  // the autotune's other candidate
+  if (wmma2 > 0) out += tile("tensor cores v2", wmma2, paged_attention_wmma2_smem_bytes(d, wmma2)) + "; ";
   const int simt = paged_attention_simt_keys(d, limit);
   return out + (simt > 0 ? tile("SIMT", simt, 4 * paged_attention_smem_floats(d, simt)) : "SIMT: no tile fits");
 }
