@@ -1,12 +1,14 @@
 """The start-up autotune: for each op with more than one implementation, every candidate that passes its
 check on this device is timed at the loaded model's shapes, and the fastest runs, per bucket of call shape.
 
-Which implementation is fastest depends on the device (our CPU attention wins on AVX-512 and loses to torch's
-SDPA on AVX2; a GPU's tensor-core kernel against cuDNN's), so the device decides. Ops and candidates:
+Which implementation is fastest depends on the device (our CPU attention against torch's SDPA differs
+between AVX-512 and AVX2 machines; a GPU's tensor-core kernels against cuDNN's and flash attention), so the
+device decides. Ops and candidates:
 
 - paged_attention: ours (`ops.paged_attention`, the dispatch rule's kernel; on a GPU also the tensor-core
-  kernels v1 and v2 and the SIMT kernel forced: a card where v2 cannot run raises and is left out) and torch's SDPA on the context gathered from the pages, one candidate per
-  backend the build offers (clef_cuda.sdpa).
+  kernels v1 and v2 and the SIMT kernel forced: a card where one cannot run raises and is left out) and
+  torch's SDPA on the context gathered from the pages, one candidate per backend the build offers
+  (clef_cuda.sdpa).
 - int8_linear (with --quantize int8 on the CPU): dequantize + GEMM (ours) and torch._weight_int8pack_mm.
 
 Buckets (`fast`): a prefill chunk at 1k, 4k and 16k tokens of context with one record, the same 1k chunk with
