@@ -9,9 +9,7 @@ static const char* glue_error() {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-static unsigned blocks_for(int64_t items, int per_block) {
-  return static_cast<unsigned>((items + per_block - 1) / per_block);
-}
+static int64_t blocks_for(int64_t items, int per_block) { return (items + per_block - 1) / per_block; }
 
 // One instantiation per serving dtype; `launch<T>` does the work.
 #define CLEF_GLUE_DISPATCH(launch, p, kind, stream)                   \
@@ -22,41 +20,35 @@ static unsigned blocks_for(int64_t items, int per_block) {
   }                                                                   \
   return "glue: unknown dtype";
 
+// Every glue kernel runs kGlueThreads threads a block without dynamic shared memory; no work, no launch.
+template <typename Kernel, typename Params>
+static const char* launch_glue(Kernel* kernel, int64_t blocks, const Params& p, cudaStream_t stream) {
+  if (blocks == 0) return nullptr;
+  CLEF_LAUNCH(kernel, static_cast<unsigned>(blocks), kGlueThreads, 0, stream)(p);
+  return glue_error();
+}
+
+// Blocks: a row each for add_rms_norm; a warp per (token, head) row for the per-head norms; a thread per
+// element for the elementwise ones.
 template <typename T>
 static const char* launch_add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream) {
-  if (p.rows == 0) return nullptr;
-  auto* kernel = &add_rms_norm_kernel<T>;
-  CLEF_LAUNCH(kernel, static_cast<unsigned>(p.rows), kGlueThreads, 0, stream)(p);
-  return glue_error();
+  return launch_glue(&add_rms_norm_kernel<T>, p.rows, p, stream);
 }
 template <typename T>
 static const char* launch_silu_mul(const SiluMulParams& p, cudaStream_t stream) {
-  if (p.rows * p.cols == 0) return nullptr;
-  auto* kernel = &silu_mul_kernel<T>;
-  CLEF_LAUNCH(kernel, blocks_for(p.rows * p.cols, kGlueThreads), kGlueThreads, 0, stream)(p);
-  return glue_error();
+  return launch_glue(&silu_mul_kernel<T>, blocks_for(p.rows * p.cols, kGlueThreads), p, stream);
 }
 template <typename T>
 static const char* launch_gated_rms_norm(const GatedRmsNormParams& p, cudaStream_t stream) {
-  if (p.tokens * p.heads == 0) return nullptr;
-  auto* kernel = &gated_rms_norm_kernel<T>;
-  CLEF_LAUNCH(kernel, blocks_for(p.tokens * p.heads, kGlueWarps), kGlueThreads, 0, stream)(p);
-  return glue_error();
+  return launch_glue(&gated_rms_norm_kernel<T>, blocks_for(p.tokens * p.heads, kGlueWarps), p, stream);
 }
 template <typename T>
 static const char* launch_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream) {
-  if (p.tokens * p.heads == 0) return nullptr;
-  auto* kernel = &rms_norm_rope_kernel<T>;
-  CLEF_LAUNCH(kernel, blocks_for(p.tokens * p.heads, kGlueWarps), kGlueThreads, 0, stream)(p);
-  return glue_error();
+  return launch_glue(&rms_norm_rope_kernel<T>, blocks_for(p.tokens * p.heads, kGlueWarps), p, stream);
 }
 template <typename T>
 static const char* launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream) {
-  const int64_t n = p.tokens * p.heads * p.dim;
-  if (n == 0) return nullptr;
-  auto* kernel = &sigmoid_gate_kernel<T>;
-  CLEF_LAUNCH(kernel, blocks_for(n, kGlueThreads), kGlueThreads, 0, stream)(p);
-  return glue_error();
+  return launch_glue(&sigmoid_gate_kernel<T>, blocks_for(p.tokens * p.heads * p.dim, kGlueThreads), p, stream);
 }
 
 const char* add_rms_norm_cuda(const AddRmsNormParams& p, ScalarKind kind, void* stream) {
