@@ -54,8 +54,8 @@ def test_the_fastest_candidate_is_chosen_for_every_bucket(tiny, monkeypatch):
 def test_a_candidate_that_fails_its_check_or_raises_is_never_chosen(tiny, monkeypatch):
     real = tuning.attention_candidates
 
-    def with_bad_ones(device):
-        found = real(device)
+    def with_bad_ones(trunk):
+        found = real(trunk)
 
         def wrong(query, key_cache, value_cache, batch):
             return found["ours"](query, key_cache, value_cache, batch) * 1.01
@@ -114,8 +114,8 @@ def test_decisions_agree_with_the_reference_whichever_candidate_runs(release):
     jsm, model, processor = reference_model(path)
     requests = [random_request(random.Random(seed), state_words=(50, 300)) for seed in range(3)]
     expected = [reference_probabilities(jsm, model, processor, r)[1] for r in requests]
-    for candidate in tuning.attention_candidates(decider.device):
-        policy = tuning.attention_candidates(decider.device)[candidate]
+    for candidate in tuning.attention_candidates(decider.trunk):
+        policy = tuning.attention_candidates(decider.trunk)[candidate]
         decider.trunk.attention_choice = lambda batch, impl=policy: impl
         for request, want in zip(requests, expected, strict=True):
             got = decider.probabilities(decider.encode(request))
@@ -194,3 +194,24 @@ def test_past_the_budget_the_remaining_buckets_keep_ours_untimed(tiny, monkeypat
     assert set(report.choices["paged_attention"].values()) == {"ours"}
     untimed = [r for r in report.rows if r.status.startswith("chosen untimed: past the fast budget")]
     assert len(untimed) == len(report.choices["paged_attention"]) and all(r.ms is None for r in untimed)
+
+
+def test_ours_runs_on_the_trunks_own_op_library(monkeypatch):
+    """A trunk built on another op library (a fault-injected one, the simulator) keeps it when the autotune
+    chooses ours: the policy never swaps in clef_cuda.ops behind its back."""
+    from faults import OpFault
+
+    calls = []
+
+    def counted(original, *args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    decider = Decider.from_release(
+        tiny_release(), device="cpu", progress=False, ops=OpFault("paged_attention", counted)
+    )
+    fake_timings(monkeypatch, {"ours": 1.0, "sdpa-flash": 2.0, "sdpa-math": 3.0})
+    tuning.autotune(decider.trunk, CONFIG, "fast", None)
+    calls.clear()
+    decider.decide(random_request(random.Random(0)))
+    assert calls and decider.trunk.attention_choice is not None

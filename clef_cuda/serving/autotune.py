@@ -5,9 +5,9 @@ Which implementation is fastest depends on the device (our CPU attention against
 between AVX-512 and AVX2 machines; a GPU's tensor-core kernels against cuDNN's and flash attention), so the
 device decides. Ops and candidates:
 
-- paged_attention: ours (`ops.paged_attention`, the dispatch rule's kernel; on a GPU also the tensor-core
-  kernels v1 and v2 and the SIMT kernel forced: a card where one cannot run raises and is left out) and
-  torch's SDPA on the context gathered from the pages, one candidate per backend the build offers
+- paged_attention: ours (the trunk's own op library, the dispatch rule's kernel; on a GPU also the
+  tensor-core kernels v1 and v2 and the SIMT kernel forced: a card where one cannot run raises and is left
+  out) and torch's SDPA on the context gathered from the pages, one candidate per backend the build offers
   (clef_cuda.sdpa).
 - int8_linear (with --quantize int8 on the CPU): dequantize + GEMM (ours) and torch._weight_int8pack_mm.
 
@@ -111,9 +111,9 @@ def nearest_bucket(buckets: list[Bucket], q_lens: tuple[int, ...], contexts: tup
 AttentionImpl = Callable  # (query, key_cache, value_cache, batch: ChunkBatch) -> out
 
 
-def _ours(kernel: str) -> AttentionImpl:
+def _ours(library, kernel: str) -> AttentionImpl:
     def run(query, key_cache, value_cache, batch: ChunkBatch):
-        return ops.paged_attention(
+        return library.paged_attention(
             query, key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables, kernel=kernel
         )
 
@@ -129,10 +129,13 @@ def _sdpa(backend: str) -> AttentionImpl:
     return run
 
 
-def attention_candidates(device: torch.device) -> dict[str, AttentionImpl]:
-    candidates = {"ours": _ours("auto")}
+def attention_candidates(trunk: Trunk) -> dict[str, AttentionImpl]:
+    """Name -> implementation. Ours runs on the trunk's own op library (whatever it was built with)."""
+    library, device = trunk.ops, trunk.embed.device
+    candidates = {"ours": _ours(library, "auto")}
     if device.type == "cuda":
-        candidates |= {"ours-wmma": _ours("wmma"), "ours-wmma2": _ours("wmma2"), "ours-simt": _ours("simt")}
+        forced = {"ours-wmma": "wmma", "ours-wmma2": "wmma2", "ours-simt": "simt"}
+        candidates |= {name: _ours(library, kernel) for name, kernel in forced.items()}
         candidates |= {name: _sdpa(name) for name in SDPA_BACKENDS}
     else:
         candidates |= {name: _sdpa(name) for name in CPU_SDPA}
@@ -279,7 +282,7 @@ VERIFICATION_PACK = [(24, 90), (17, 17), (1, 41)]
 def tune_attention(trunk: Trunk, buckets: list[Bucket], mode: str, block_size: int, report: AutotuneReport) -> None:
     device, rtol = trunk.embed.device, OP_RTOL.get(trunk.dtype, OP_RTOL[torch.bfloat16])
     generator = torch.Generator().manual_seed(0)
-    candidates = attention_candidates(device)
+    candidates = attention_candidates(trunk)
     eligible = {}
     verify = _AttentionCase(trunk, VERIFICATION_PACK, block_size, generator)
     expected = verify.reference()
@@ -331,12 +334,12 @@ def tune_int8_linear(trunk: Trunk, config, mode: str, report: AutotuneReport) ->
     weight = max(plain, key=lambda w: w.qweight.numel())
     generator = torch.Generator().manual_seed(1)
     choices = report.choices.setdefault("int8_linear", {})
-    dense = weight.dequantize(ops)
+    dense = weight.dequantize(trunk.ops)
     for name, rows in (("prefill", config.max_num_seqs * config.prefill_chunk_size), ("decode", config.max_num_seqs)):
         x = torch.randn(min(rows, 4096), weight.shape[1], generator=generator)
         expected = torch.nn.functional.linear(x, dense)
         candidates = {
-            "dequantize+gemm": lambda x=x: torch.nn.functional.linear(x, weight.dequantize(ops)),
+            "dequantize+gemm": lambda x=x: torch.nn.functional.linear(x, weight.dequantize(trunk.ops)),
             "int8pack_mm": lambda x=x: torch._weight_int8pack_mm(x, weight.qweight, weight.scale),
         }
         timings = {}
@@ -427,7 +430,7 @@ def autotune(trunk: Trunk, config, mode: str = "fast", cache_dir: str | Path | N
 
 def install(trunk: Trunk, report: AutotuneReport, buckets: list[Bucket]) -> None:
     attention = report.choices.get("paged_attention", {})
-    trunk.attention_choice = AttentionPolicy(buckets, attention, attention_candidates(trunk.embed.device))
+    trunk.attention_choice = AttentionPolicy(buckets, attention, attention_candidates(trunk))
     int8 = report.choices.get("int8_linear", {})
     trunk.int8_matmul = "int8pack_mm" if int8.get("prefill") == "int8pack_mm" else "dequantize+gemm"
 
