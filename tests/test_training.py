@@ -1,11 +1,13 @@
 """training/: the trainable clef-tiny is the serving math (references + autograd against the Decider's
-kernels and caches, healthy and with the seed's bug injected), training is deterministic and writes a
-release the server loads, and the HTTP evaluation harness scores it through the real server path."""
+kernels and caches, healthy and with the seed's bug injected), training is deterministic, resumes from a
+checkpoint to the same weights, and writes a release the server loads; its tokenizer spells a name the same
+wherever it stands; the HTTP evaluation harness scores a release through the real server path. The task
+generator has its own tests (tests/test_vocabulary.py)."""
 
 from __future__ import annotations
 
+import json
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ from faults import KeyBandZeroedOps
 
 from clef_cuda import Decider
 from clef_cuda.model.head import RecordLayout
-from training import evaluate, synthetic, train
+from training import evaluate, train, vocabulary
 from training.model import TrainableClef
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,14 +30,11 @@ def trained(tmp_path_factory) -> Path:
     return _train_three_steps(tmp_path_factory.mktemp("clef-tiny"))
 
 
-def _train_three_steps(out: Path) -> Path:
-    done = subprocess.run(
-        [sys.executable, "-m", "training.train", "--out", str(out), "--steps", "3", "--eval-every", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+def _train_three_steps(out: Path, *extra: str) -> Path:
+    """Three steps of each phase (or what `extra` says instead)."""
+    command = [sys.executable, "-m", "training.train", "--out", str(out), "--lm-steps", "3", "--steps", "3"]
+    command += ["--eval-every", "2", "--eval-count", "8", *extra]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return out
 
@@ -54,7 +53,7 @@ def test_training_forward_is_the_serving_forward(trained, tmp_path):
     )
     rng = random.Random(5)
     for split in ("train", "heldout", "heldout"):
-        example = synthetic.make_example(rng, split)
+        example = vocabulary.make_example(rng, split)
         record = served.encode(example.request)
         healthy_probs = None
         for decider, zero in ((served, False), (broken, True)):
@@ -73,9 +72,42 @@ def test_training_forward_is_the_serving_forward(trained, tmp_path):
 
 
 def test_training_is_deterministic(trained, tmp_path):
-    _train_three_steps(tmp_path)
+    _train_three_steps(tmp_path / "again")
     for name in ("model.safetensors", "joint_head.safetensors", "tokenizer.json", "config.json"):
-        assert (trained / name).read_bytes() == (tmp_path / name).read_bytes(), name
+        assert (trained / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+
+
+def test_a_resumed_run_writes_the_same_weights(tmp_path):
+    """A run checkpointed in its language-model phase, resumed across the switch to the decision phase."""
+    schedule = ("--lm-steps", "3", "--steps", "1", "--checkpoint-every", "2")
+    whole = _train_three_steps(tmp_path / "whole", *schedule, "--checkpoint", str(tmp_path / "unused.ckpt"))
+    checkpoint = tmp_path / "run.ckpt"
+    _train_three_steps(tmp_path / "first", *schedule, "--checkpoint", str(checkpoint))
+    assert torch.load(checkpoint, weights_only=False)["phase"] == "lm"  # left at LM step 2
+    resumed = _train_three_steps(tmp_path / "resumed", *schedule, "--checkpoint", str(checkpoint))
+    for name in ("model.safetensors", "joint_head.safetensors"):
+        assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
+    summary = json.loads((resumed / "TRAINING.json").read_text())
+    assert [h["step"] for h in summary["history"] if h["phase"] == "lm"] == [2, 3]
+
+
+def test_a_checkpoint_of_another_schedule_is_refused(tmp_path):
+    checkpoint = tmp_path / "run.ckpt"
+    _train_three_steps(tmp_path / "first", "--checkpoint-every", "2", "--checkpoint", str(checkpoint))
+    command = [sys.executable, "-m", "training.train", "--out", str(tmp_path / "x"), "--checkpoint", str(checkpoint)]
+    done = subprocess.run(command + ["--lm-steps", "4"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 2 and "another schedule" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["kelvara", "Cobalt Notes", "vault-7", "Team Zelka"])
+def test_a_name_is_the_same_ids_in_the_state_and_in_its_option(trained, name):
+    """Merges never cross a letter boundary, so the trunk can match an option to its occurrences."""
+    from clef_cuda.request.encoding import Tokenizer
+
+    tokenizer = Tokenizer.from_release(trained)
+    alone = tokenizer.encode(name)
+    for before in (" ", "(", "[", "=", '"', "\n", ": ", "?"):
+        assert tokenizer.encode(before + name)[-len(alone) :] == alone, repr(before + name)
 
 
 def test_evaluation_harness_scores_a_release_over_http(trained):
@@ -104,46 +136,8 @@ def test_the_handwritten_set_is_well_formed_and_covers_every_kind():
             types.add(questions[qid]["type"])
         kinds.add(example.kind)
     assert kinds == {"log", "ticket", "order"} and types == {"noul", "choice", "score"}
+    asked = {qid for example in examples for qid in example.answers}
+    assert {evaluate.group(qid) for qid in asked} == {"structural", "semantic"}
     rng = random.Random(14)
-    generated = {synthetic.make_example(rng, split).request["state"] for split in ("train", "heldout") * 500}
+    generated = {vocabulary.make_example(rng, split).request["state"] for split in ("train", "heldout") * 500}
     assert not generated & {e.request["state"] for e in examples}
-
-
-def _examples(count: int, seed: int) -> list[synthetic.Example]:
-    """Every template family: the one-format "train", the varied training templates, held-out."""
-    rng = random.Random(seed)
-    return [synthetic.make_example(rng, split, variety=1.0) for split in ("train", "heldout") * (count // 2)] + [
-        synthetic.make_example(rng, "train") for _ in range(count // 4)
-    ]
-
-
-def test_synthetic_answers_follow_from_the_state():
-    """Spot checks of the generator's labels against the text it wrote."""
-    levels = ("INFO", "WARN", "ERROR")
-    for example in _examples(400, 11):
-        lines = example.request["state"].splitlines()
-        if "last_error" in example.answers:
-            assert (example.answers["last_error"] == "true") == ("ERROR" in lines[-1])
-        if "last_level" in example.answers:
-            last = [level for level in levels if level in lines[-1]]
-            assert last == [levels[int(example.answers["last_level"])]]
-        if "last_failure" in example.answers:
-            failing = [line for line in lines if "ERROR" in line][-1]
-            assert re.search(rf"\b{example.answers['last_failure']}\b", failing.split("ERROR", 1)[1])
-        if "status" in example.answers:
-            said = [w for line in lines[1:] if "refund" not in line for w in re.findall(r"[a-z]+", line)]
-            assert [w for w in said if w in synthetic.STATUSES][-1] == example.answers["status"]
-
-
-def test_heldout_templates_and_wordings_never_appear_in_training():
-    rng = random.Random(12)
-    train = [synthetic.make_example(rng, "train", variety=v) for v in (0.0, 1.0) for _ in range(300)]
-    heldout = [synthetic.make_example(rng, "heldout") for _ in range(300)]
-    train_text = "\n".join(e.request["state"] for e in train)
-    for marker in ("[t+", "Purchase no.", "day 1 - ", "Ticket from", "MailPilot", "Nadia"):
-        assert marker not in train_text
-        assert any(marker in e.request["state"] for e in heldout), marker
-    train_wordings = {q.get("instructions") for e in train for q in e.request["questions"].values()}
-    for example in heldout:
-        for question in example.request["questions"].values():
-            assert question["instructions"] not in train_wordings

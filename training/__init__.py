@@ -1,1 +1,2 @@
-"""Building clef-tiny: the synthetic decision dataset (synthetic.py) and its training script (train.py)."""
+"""Building clef-tiny: the vocabulary-disjoint decision task (vocabulary.py), the trainable model (model.py),
+its training script (train.py) and its evaluation through the server (evaluate.py)."""

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """How well clef-tiny decides, measured through the real server path: HTTP to a live clef-serve app, the
 engine's batching and prefix cache, the clef_cuda kernels. Prints a table: held-out accuracy, Brier score
-and calibration, healthy and with the seed's bug (the conv's key band zeroed by test-only fault injection).
+and calibration, healthy and with the seed's bug (the conv's key band zeroed by test-only fault injection),
+with structural questions (read from the state's structure: logs, orders, urgency, products, customers) and
+semantic ones (department: known only through the generator's words) scored apart.
 
     python -m training.evaluate --release /tmp/clef-tiny --count 300
     python -m training.evaluate --write-golden tests/golden/clef_tiny.json   # the shipped model's answers
@@ -21,11 +23,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training import synthetic
+from training import vocabulary
 
-# Two held-out sets (never trained on: other templates, wordings and values). train.py reports on the first
-# while training, so it guided the task's design (a development set); the numbers we publish and test
-# come from the second, which nothing was tuned on.
+# Two sets of the held-out family (never trained on: its names, messages, formats and wordings are
+# training's disjoint counterparts, training/vocabulary.py). train.py reports on the first while training,
+# so it guided the task's design (a development set); the numbers we publish and test come from the
+# second, which nothing was tuned on.
 HELDOUT_SEED = 10_000  # train.py: args.seed + 10_000
 TEST_SEED = 20_261_201
 
@@ -38,6 +41,7 @@ class Scores:
     confidence_bins: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0, 0.0] for _ in range(10)])
     by_question: dict[str, list[int]] = field(default_factory=dict)  # question id -> [correct, asked]
     by_type: dict[str, list[int]] = field(default_factory=dict)  # noul | choice | score -> [correct, asked]
+    by_group: dict[str, list[int]] = field(default_factory=dict)  # structural | semantic -> [correct, asked]
     cached_tokens: int = 0
     input_tokens: int = 0
     requests: int = 0
@@ -66,8 +70,24 @@ class Scores:
         top = distribution[predicted]
         bin_ = self.confidence_bins[min(int(top * 10), 9)]
         bin_[0], bin_[1], bin_[2] = bin_[0] + 1, bin_[1] + top, bin_[2] + right
-        for tally in (self.by_question.setdefault(question_id, [0, 0]), self.by_type.setdefault(question_type, [0, 0])):
+        for tally in (
+            self.by_question.setdefault(question_id, [0, 0]),
+            self.by_type.setdefault(question_type, [0, 0]),
+            self.by_group.setdefault(group(question_id), [0, 0]),
+        ):
             tally[0], tally[1] = tally[0] + right, tally[1] + 1
+
+    def group_accuracy(self, name: str) -> float:
+        correct, asked = self.by_group.get(name, [0, 0])
+        return correct / max(asked, 1)
+
+
+def group(question_id: str) -> str:
+    """structural (read from the state, whatever its names and format), semantic (needs the meaning of
+    words, which a model knows only as far as its generator used them) or other."""
+    if question_id in vocabulary.STRUCTURAL:
+        return "structural"
+    return "semantic" if question_id in vocabulary.SEMANTIC else "other"
 
 
 def distribution(answer: dict) -> dict[str, float]:
@@ -77,9 +97,9 @@ def distribution(answer: dict) -> dict[str, float]:
     return dict(answer["probabilities"])
 
 
-def heldout(count: int, seed: int = TEST_SEED) -> list[synthetic.Example]:
-    """The generator's held-out family: templates, wordings, names and products training never shows."""
-    return synthetic.dataset(seed, count, "heldout")
+def heldout(count: int, seed: int = TEST_SEED) -> list[vocabulary.Example]:
+    """The generator's held-out family: names, messages, formats and wordings training never shows."""
+    return vocabulary.dataset(seed, count, "heldout")
 
 
 # Requests written by hand, without the generator, with their right answers (the README's example first):
@@ -87,12 +107,12 @@ def heldout(count: int, seed: int = TEST_SEED) -> list[synthetic.Example]:
 HANDWRITTEN = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "clef_tiny_handwritten.json"
 
 
-def handwritten() -> list[synthetic.Example]:
+def handwritten() -> list[vocabulary.Example]:
     cases = json.loads(HANDWRITTEN.read_text())
-    return [synthetic.Example(request=c["request"], answers=c["answers"], kind=c["kind"]) for c in cases]
+    return [vocabulary.Example(request=c["request"], answers=c["answers"], kind=c["kind"]) for c in cases]
 
 
-def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency: int = 8) -> Scores:
+def ask_all(url: str, examples: list[vocabulary.Example], model: str, concurrency: int = 8) -> Scores:
     """Both passes over the examples against a live server; every answer scored."""
     import httpx
 
@@ -102,7 +122,7 @@ def ask_all(url: str, examples: list[synthetic.Example], model: str, concurrency
         response = client.post(f"{url}/v1/systemone", json=request, timeout=120)
         return response.json() if response.status_code == 200 else None
 
-    def last_question_only(example: synthetic.Example) -> tuple[dict, dict[str, str]]:
+    def last_question_only(example: vocabulary.Example) -> tuple[dict, dict[str, str]]:
         qid = list(example.request["questions"])[-1]
         request = dict(example.request, questions={qid: example.request["questions"][qid]})
         return request, {qid: example.answers[qid]}
@@ -167,7 +187,7 @@ def evaluate(
     release: Path,
     count: int = 300,
     key_band_zeroed: bool = False,
-    examples: list[synthetic.Example] | None = None,
+    examples: list[vocabulary.Example] | None = None,
     quantize: str = "none",
 ) -> Scores:
     """`examples` (default: `count` of the generator's held-out family) asked through a live server
@@ -232,7 +252,7 @@ GOLDEN_REQUESTS = [
                 "status": {
                     "type": "choice",
                     "instructions": "What is the current order status?",
-                    "criteria": {s: None for s in synthetic.STATUSES},
+                    "criteria": {s: None for s in vocabulary.STATUSES},
                 },
                 "late_refund": {"type": "noul", "instructions": "Was a refund requested after delivery?"},
             },
@@ -297,7 +317,7 @@ def table(healthy: Scores, broken: Scores, examples: str) -> str:
             f"{s.expected_calibration_error:.3f} | {s.cached_tokens / max(s.input_tokens, 1):.0%} | {s.failures} |"
         )
     rows += ["", "| question | healthy | key band zeroed |", "|---|---|---|"]
-    for label, tallies in (("kind", "by_type"), ("", "by_question")):
+    for label, tallies in (("", "by_group"), ("kind", "by_type"), ("", "by_question")):
         h_tally, b_tally = getattr(healthy, tallies), getattr(broken, tallies)
         for key in sorted(h_tally):
             h, b = h_tally[key], b_tally.get(key, [0, 1])

@@ -74,6 +74,11 @@ class TrainableClef(torch.nn.Module):
         )
 
     @torch.no_grad()
+    def silence_tokens(self, token_ids: list[int]) -> None:
+        """Zero the embeddings of the given tokens (training/train.py: tokens training never shows)."""
+        self._w("embed_tokens.weight")[token_ids] = 0.0
+
+    @torch.no_grad()
     def silence_lexicon(self, token_ids: list[int]) -> None:
         """Zero the LM-head rows of the given tokens. The head reads LM-head rows only as the lexical mean
         of each option span (the prior and W_ol), so rows of the JSON scaffolding every option shares
@@ -174,6 +179,11 @@ class TrainableClef(torch.nn.Module):
         ).transpose(1, 2)
         gated = out * torch.sigmoid(qg[..., d:])
         return F.linear(gated.reshape(batch, length, hq * d), self._w(p + "self_attn.o_proj.weight"))
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [..., vocab] from final-normed hidden states [..., hidden] (the LM head the
+        release ships; the joint head reads its rows as the options' lexical vectors)."""
+        return F.linear(hidden, self._w("lm_head.weight"))
 
     # ---- head ----------------------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
