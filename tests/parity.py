@@ -22,15 +22,15 @@ import math
 from collections.abc import Iterator
 
 # max |p_ours - p_reference| for the fp32 CPU path against the fp32 reference on the test releases
-# (README, Test; measured worst 1.1e-6 on the test releases, 4.5e-7 on the merges, 2.6e-8 on clef-tiny).
+# (README, Test; measured worst 1.1e-6 on the test releases, 4.5e-7 on the merges, 7.2e-7 on clef-tiny).
 PARITY_BOUND = 1e-5
 HALF_UNIT = 0.5e-4  # answers are rounded to 4 decimals
 
 # int8 weights (--quantize int8) against the same model's fp32 weights, fp32 activations on the CPU: max
 # |p_int8 - p_f32| measured over 200 random requests on each test release, 300 held-out clef-tiny examples
 # and 15 long requests per LoRA variant over the int8 upstream-tiny base against clef-finetune's fp32 merge
-# (1.2e-3, 2.6e-2, 9.9e-2, 2.8e-2: README, Quantization), and the bound the tests hold, about twice that.
-INT8_BOUNDS = {"upstream-tiny": 2.5e-3, "mid": 5e-2, "clef-tiny": 0.2, "upstream-tiny+lora": 6e-2}
+# (1.2e-3, 2.6e-2, 3.4e-2, 2.8e-2: README, Quantization), and the bound the tests hold, about twice that.
+INT8_BOUNDS = {"upstream-tiny": 2.5e-3, "mid": 5e-2, "clef-tiny": 7e-2, "upstream-tiny+lora": 6e-2}
 
 
 @contextlib.contextmanager
