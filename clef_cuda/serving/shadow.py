@@ -18,7 +18,7 @@ engine's pools are not touched.
 A sample matches when max |p_served - p_reference| over every option of every question is within
 SHADOW_TOLERANCE for the serving dtype: the worst healthy difference measured on the test releases and
 clef-tiny (benchmarks/shadow_tolerance.py; README, "Shadow verification") times SHADOW_MARGIN: fp32 1e-5
-(the floor), f16 1.8e-3, bf16 9.2e-3.
+(the floor), f16 3.5e-3, bf16 1.1e-2.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ SHADOW_MODES = ("enforce", "warn", "off")
 # scores (16 x 256 x 16k x 4 B = 256 MiB at clef-flash's worst) and how long a new request can wait.
 SHADOW_CHUNK_TOKENS = 256
 # Worst healthy max |p_served - p_reference| measured (benchmarks/shadow_tolerance.py --records 60, CPU,
-# 2026-12-01: 180 records per dtype over the upstream tiny release, the mid test release and clef-tiny), times
+# 2026-12-02, after the fused glue and the retrained clef-tiny: 180 records per dtype over the upstream tiny
+# release, the mid test release and clef-tiny; f16's worst is clef-tiny's, bf16's the mid release's), times
 # the margin, and never below the fp32 parity bound with the upstream reference (tests/parity.py). Not yet
 # measured on a GPU (scripts/gpu_check.sh runs the benchmark there).
 SHADOW_MARGIN = 4.0
 SHADOW_FLOOR = 1e-5
-SHADOW_WORST_HEALTHY = {torch.float32: 5.4e-7, torch.float16: 4.5e-4, torch.bfloat16: 2.3e-3}
+SHADOW_WORST_HEALTHY = {torch.float32: 7.8e-7, torch.float16: 8.7e-4, torch.bfloat16: 2.8e-3}
 SHADOW_TOLERANCE = {dtype: max(SHADOW_FLOOR, SHADOW_MARGIN * worst) for dtype, worst in SHADOW_WORST_HEALTHY.items()}
 
 
