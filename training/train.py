@@ -414,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     lm_optimizer = torch.optim.AdamW(model.trunk.parameters(), lr=args.lm_lr, weight_decay=0.01, betas=(0.9, 0.98))
     optimizer = None
+    saved = None
     if checkpoint_path.is_file():
         saved = torch.load(checkpoint_path, weights_only=False)
         names = LM_SCHEDULE_ARGS if saved["phase"] == "lm" else SCHEDULE_ARGS
@@ -429,10 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     def decision_optimizer() -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
 
-    if phase == "decision":
+    if phase == "decision":  # only ever true when resuming a checkpoint of the decision phase
         optimizer = decision_optimizer()
-        if checkpoint_path.is_file():
-            optimizer.load_state_dict(torch.load(checkpoint_path, weights_only=False)["optimizer"])
+        optimizer.load_state_dict(saved["optimizer"])
 
     def minutes() -> float:
         return round((elapsed + time.monotonic() - started) / 60, 2)
