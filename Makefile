@@ -15,7 +15,7 @@ serve: setup
 test: setup
 	$(VENV)/bin/python -m pytest -q
 
-# Every kernel compiled for sm_60 ... sm_90 with CUDA 12.9's NVRTC: registers, spills, shared memory, tiles.
+# Every kernel compiled for sm_60 ... sm_120 with CUDA 12.9's NVRTC: registers, spills, barriers, shared memory, tiles.
 check-archs: setup
 	$(VENV)/bin/python scripts/check_archs.py --packages .cache/nvrtc12
 

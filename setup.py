@@ -3,8 +3,9 @@
 CLEF_CUDA_BUILD=auto (default) builds the CUDA kernels when torch has CUDA and nvcc is found, and a
 CPU-only extension otherwise; =cuda forces CUDA (and fails, saying what is missing, without a
 toolchain); =cpu forces the CPU-only build. TORCH_CUDA_ARCH_LIST is respected; by default the kernels
-are built for 6.0;7.0;7.5;8.0;9.0 minus what the local nvcc cannot target (nvcc 13 cannot target sm_60
-or sm_70: build for Pascal and V100 with a CUDA 12.x toolchain, see README). MAX_JOBS bounds the parallel compile jobs.
+are built for 6.0;7.0;7.5;8.0;9.0+PTX;10.0;12.0 minus what the local nvcc cannot target (nvcc 13 cannot
+target sm_60 or sm_70: build for Pascal and V100 with a CUDA 12.x toolchain, see README; before 12.8 there
+is no 10.0 or 12.0, and 9.0's PTX covers them). MAX_JOBS bounds the parallel compile jobs.
 """
 
 import os
@@ -17,7 +18,10 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_ARCHS = ["6.0", "7.0", "7.5", "8.0", "9.0"]  # 6.0 runs on 6.1, 8.0 on 8.6/8.9
+# 6.0 runs on 6.1, 8.0 on 8.6/8.9. 9.0's PTX is embedded too, so a card newer than every SASS here (or one
+# a toolchain could not target) JIT-compiles it at load instead of failing with "no kernel image"; 10.0
+# (B200) and 12.0 (RTX 50x0) get their own SASS where the toolkit has them (CUDA 12.8 and newer).
+DEFAULT_ARCHS = ["6.0", "7.0", "7.5", "8.0", "9.0+PTX", "10.0", "12.0"]
 # The embedded default model (clef_cuda/model/default_model.py), and the torch the extension was built
 # against (clef_cuda/extension.py checks it at import).
 PACKAGE_DATA = {"clef_cuda": ["assets/clef-tiny/*", "BUILT_WITH_TORCH"]}
@@ -92,12 +96,14 @@ def choose_archs(version: str, supported: set[str]) -> list[str]:
             )
         print(f"clef_cuda: building CUDA kernels for {';'.join(archs)} (TORCH_CUDA_ARCH_LIST)")
         return archs
-    archs = [a for a in DEFAULT_ARCHS if a in supported]
-    for dropped in (a for a in DEFAULT_ARCHS if a not in supported):
-        print(
-            f"clef_cuda: dropping sm_{dropped.replace('.', '')}: nvcc {version} cannot target it"
-            + (" (use a CUDA 12.x toolchain for Pascal and V100, see README)" if dropped in ("6.0", "7.0") else "")
-        )
+    archs = [a for a in DEFAULT_ARCHS if a.removesuffix("+PTX") in supported]
+    for dropped in (a.removesuffix("+PTX") for a in DEFAULT_ARCHS if a.removesuffix("+PTX") not in supported):
+        why = ""
+        if dropped in ("6.0", "7.0"):
+            why = " (use a CUDA 12.x toolchain for Pascal and V100, see README)"
+        elif dropped in ("10.0", "12.0"):
+            why = " (CUDA 12.8 or newer has it; until then sm_90's embedded PTX is JIT-compiled there)"
+        print(f"clef_cuda: dropping sm_{dropped.replace('.', '')}: nvcc {version} cannot target it{why}")
     if not archs:
         fail(f"nvcc {version} supports none of the default archs {DEFAULT_ARCHS}; set TORCH_CUDA_ARCH_LIST")
     print(f"clef_cuda: building CUDA kernels for {';'.join(archs)}")
@@ -154,8 +160,9 @@ def extension_modules():
     archs = choose_archs(version, supported)
     os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs)
     arch_token = "_".join(a.removesuffix("+PTX").replace(".", "") for a in archs)
+    ptx_token = "_".join(a.removesuffix("+PTX").replace(".", "") for a in archs if a.endswith("+PTX")) or "none"
     sources += [f"csrc/{family}/{family}_launch.cu" for family in families]
-    defines = ["-DCLEF_WITH_CUDA", f"-DCLEF_CUDA_ARCH_TOKEN={arch_token}"]
+    defines = ["-DCLEF_WITH_CUDA", f"-DCLEF_CUDA_ARCH_TOKEN={arch_token}", f"-DCLEF_CUDA_PTX_TOKEN={ptx_token}"]
     return [
         CUDAExtension(
             "clef_cuda._C",

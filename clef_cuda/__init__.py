@@ -9,13 +9,20 @@ __version__ = "0.1.0"
 
 
 def build_info() -> dict:
-    """What the compiled extension contains: {"variant": "cpu" | "cuda", "cuda_archs": ["7.5", ...]}."""
+    """What the compiled extension contains: {"variant": "cpu" | "cuda", "cuda_archs": ["7.5", ...] (machine
+    code), "cuda_ptx": ["9.0"] (PTX the driver compiles for a card newer than every machine code)}."""
     from clef_cuda import extension
 
     _C = extension.load()  # torch first: it loads libc10/libtorch, which the extension links against
 
-    archs = [] if _C.CUDA_ARCHS == "none" else [f"{a[:-1]}.{a[-1]}" for a in _C.CUDA_ARCHS.split("_")]
-    return {"variant": _C.VARIANT, "cuda_archs": archs}
+    def archs(token: str) -> list[str]:
+        return [] if token == "none" else [f"{a[:-1]}.{a[-1]}" for a in token.split("_")]
+
+    return {
+        "variant": _C.VARIANT,
+        "cuda_archs": archs(_C.CUDA_ARCHS),
+        "cuda_ptx": archs(getattr(_C, "CUDA_PTX", "none")),
+    }
 
 
 def __getattr__(name: str):

@@ -214,6 +214,7 @@ class OpLibrary:
         scale: float | None = None,
         out: Tensor | None = None,
         kernel: str = "auto",
+        max_query_len: int | None = None,
     ) -> Tensor:
         """Attention of packed new queries over each sequence's cached context (write it first).
 
@@ -223,6 +224,9 @@ class OpLibrary:
         kernel: "auto" (the dispatch rule; see paged_attention_dispatch), or "wmma" / "wmma2" / "simt" to
         force the tensor-core kernel (v1, or v2: warp pairs, register prefetch, a split-context pass for
         small grids) or the SIMT CUDA kernel (the start-up autotune, benchmarks, tests; CUDA tensors only).
+        max_query_len: the most new queries of any one sequence (the host knows it; ChunkBatch.q_lens), from
+        which a GPU launch sizes its grid; None: N, a safe bound that launches CTAs which exit at once. A
+        value below a sequence's queries is a ValueError on CPU tensors and leaves rows unwritten on a GPU.
         """
         query = _last_dim_contiguous(query)
         if out is None:
@@ -237,6 +241,7 @@ class OpLibrary:
             float(query.shape[-1] ** -0.5 if scale is None else scale),
             out,
             kernel,
+            0 if max_query_len is None else int(max_query_len),
         )
         return out
 

@@ -226,11 +226,13 @@ def paged_attention(
     scale: float | None = None,
     out: Tensor | None = None,
     kernel: str = "auto",
+    max_query_len: int | None = None,
 ) -> Tensor:
     """query [N, Hq, D], caches [num_blocks, block_size, Hkv, D], cu_seqlens_q [B+1], context_lens [B],
     block_tables [B, max_blocks] -> out [N, Hq, D]. Query i of a sequence with L queries and context C
     attends keys [0, C - L + i]; query head h reads KV head h // (Hq/Hkv). `kernel` (which CUDA kernel
-    the op runs) is accepted for the op's signature; the reference has one implementation."""
+    the op runs) and `max_query_len` (how a GPU launch sizes its grid) are accepted for the op's
+    signature; the reference has one implementation and needs neither."""
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     group = num_q_heads // key_cache.shape[2]
     scale = head_dim**-0.5 if scale is None else scale

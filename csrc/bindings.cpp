@@ -18,9 +18,13 @@
 #define CLEF_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
 // setup.py passes the compiled archs as a bare token (shell-quoting a string literal through ninja is
-// fragile), e.g. CLEF_CUDA_ARCH_TOKEN=75_80_90; it is stringified below.
+// fragile), e.g. CLEF_CUDA_ARCH_TOKEN=75_80_90_100_120 (SASS) and CLEF_CUDA_PTX_TOKEN=90 (the archs whose
+// PTX is embedded for the driver to JIT on newer cards); they are stringified below.
 #ifndef CLEF_CUDA_ARCH_TOKEN
 #define CLEF_CUDA_ARCH_TOKEN none
+#endif
+#ifndef CLEF_CUDA_PTX_TOKEN
+#define CLEF_CUDA_PTX_TOKEN none
 #endif
 
 CLEF_LIBRARY(CLEF_NS, m) {
@@ -42,7 +46,8 @@ CLEF_LIBRARY(CLEF_NS, m) {
       "Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
-      "Tensor context_lens, Tensor block_tables, float scale, Tensor(a!) out, str kernel=\"auto\") -> ()");
+      "Tensor context_lens, Tensor block_tables, float scale, Tensor(a!) out, str kernel=\"auto\", "
+      "int max_query_len=0) -> ()");
   m.def(
       "paged_attention_dispatch(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
       "Tensor context_lens, Tensor block_tables, str kernel=\"auto\") -> str");
@@ -104,7 +109,8 @@ PyMODINIT_FUNC CLEF_PYINIT(TORCH_EXTENSION_NAME)(void) {
   const char* variant = "cpu";
 #endif
   if (PyModule_AddStringConstant(mod, "VARIANT", variant) < 0 ||
-      PyModule_AddStringConstant(mod, "CUDA_ARCHS", CLEF_STR(CLEF_CUDA_ARCH_TOKEN)) < 0) {
+      PyModule_AddStringConstant(mod, "CUDA_ARCHS", CLEF_STR(CLEF_CUDA_ARCH_TOKEN)) < 0 ||
+      PyModule_AddStringConstant(mod, "CUDA_PTX", CLEF_STR(CLEF_CUDA_PTX_TOKEN)) < 0) {
     Py_DECREF(mod);
     return nullptr;
   }

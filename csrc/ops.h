@@ -30,7 +30,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const at::Tensor& slot_mapping);
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
-                     double scale, at::Tensor& out, c10::string_view kernel);
+                     double scale, at::Tensor& out, c10::string_view kernel, int64_t max_query_len);
 // Which kernel paged_attention would run for these arguments: "wmma", "wmma2", "simt" or "cpu" (kernel:
 // "auto", or a forced one, which raises when it cannot run them).
 std::string paged_attention_dispatch(const at::Tensor& query, const at::Tensor& key_cache,

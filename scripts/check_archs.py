@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""Compiles every CUDA kernel instantiation for every GPU generation we serve, sm_60 (P100) to sm_90
-(H100), with CUDA 12.9's NVRTC; exits 1 on any error, spill or limit exceeded.
+"""Compiles every CUDA kernel instantiation for every GPU generation we serve, sm_60 (P100) to sm_100 (B200)
+and sm_120 (RTX 50x0), with CUDA 12.9's NVRTC; exits 1 on any error, spill or limit exceeded.
 
 nvcc 13 cannot target sm_60..sm_70, so this is how CI proves the kernels still build for Pascal and V100
 (and checks the others' resources). It compiles the device-code headers (csrc/*/*_kernels.cuh) to a cubin
 (ptxas included) for the same instantiations the launchers dispatch, prints ptxas' resource usage per
 kernel and arch (registers, registers x the block size its __launch_bounds__ declares, static shared
-memory, spills) and, per arch, which paged-attention tile each head dim gets and its dynamic shared
-memory (v1's and v2's tensor-core tiles, the SIMT one), computed by the launchers' own functions
-(csrc/paged_attention/paged_attention.h) against the arch's per-block limit. It fails when a kernel
-spills, exceeds 255 registers a thread, 64 K registers a block or 48 KB of static shared memory, or when
-a head dim has no tile that fits an arch (tensor-core tiles from sm_70 on; the SIMT one everywhere).
+memory, spills, the named barriers it reserves) and, per arch, which paged-attention tile each head dim
+gets and its dynamic shared memory (v1's and v2's tensor-core tiles, the SIMT one), computed by the
+launchers' own functions (csrc/paged_attention/paged_attention.h) against the arch's per-block limit
+(csrc/common/arch_limits.h: the table the simulator reads too). It fails when a kernel spills, exceeds 255
+registers a thread, 64 K registers a block or 48 KB of static shared memory, reserves all 16 named
+barriers (an id that is not an immediate), or when a head dim has no tile that fits an arch (tensor-core
+tiles from sm_70 on; the SIMT one everywhere).
 `--arch sm_70` checks one (make check-sm70). tests/test_check_archs.py runs it.
 
 Needs the PyPI packages nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12 (crt/ headers),
@@ -42,17 +44,43 @@ MAX_REGISTERS_PER_THREAD = 255
 MAX_REGISTERS_PER_BLOCK = 64 * 1024
 MAX_STATIC_SMEM = 48 * 1024
 DEFAULT_DYNAMIC_SMEM = 48 * 1024  # without cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize)
-# Per arch: the most shared memory a block may have with the opt-in (Pascal cannot opt in), and the cards.
-ARCHS = {
-    "sm_60": (48 * 1024, "P100"),
-    "sm_61": (48 * 1024, "P40, GTX 10x0"),
-    "sm_70": (96 * 1024, "V100"),
-    "sm_75": (64 * 1024, "T4, RTX 20x0"),
-    "sm_80": (163 * 1024, "A100"),
-    "sm_86": (99 * 1024, "A10, RTX 30x0"),
-    "sm_89": (99 * 1024, "L4, RTX 40x0"),
-    "sm_90": (227 * 1024, "H100, H200"),
+MAX_NAMED_BARRIERS = 16  # per CTA, __syncthreads' barrier 0 included
+
+
+def host_probe(source: str, *args: str) -> str:
+    """Compile `source` (C++20, csrc/ on the include path) for this machine, run it with `args`, return what it
+    printed: how the launchers' own torch- and CUDA-free headers are read from Python."""
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "probe"
+        subprocess.run(
+            ["c++", "-std=c++20", f"-I{ROOT / 'csrc'}", "-x", "c++", "-", "-o", str(exe)],
+            input=source,
+            text=True,
+            check=True,
+            capture_output=True,
+        )
+        return subprocess.run([str(exe), *args], capture_output=True, text=True, check=True).stdout
+
+
+def arch_table() -> dict[str, tuple[int, str]]:
+    """sm_XY -> (the most shared memory a block may have with the opt-in, the cards): the table the simulator
+    reads too (csrc/common/arch_limits.h), so a new card is added in one place."""
+    probe = r"""
+#include <cstdio>
+#include "common/arch_limits.h"
+int main() {
+  for (const auto& a : clef::kCheckedArchs)
+    std::printf("%d %d %s\n", a.compute_capability, clef::arch_max_smem_per_block(a.compute_capability), a.cards);
 }
+"""
+    table = {}
+    for line in host_probe(probe).splitlines():
+        cc, smem, cards = line.split(" ", 2)
+        table[f"sm_{cc}"] = (int(smem), cards)
+    return table
+
+
+ARCHS = arch_table()
 HEAD_DIMS = (16, 32, 64, 128, 256)
 WMMA_HEAD_DIMS = (64, 128, 256)
 
@@ -113,9 +141,13 @@ FAMILIES = {
                 ("add_rms_norm", "AddRmsNorm"),
                 ("silu_mul", "SiluMul"),
                 ("gated_rms_norm", "GatedRmsNorm"),
-                ("rms_norm_rope", "RmsNormRope"),
                 ("sigmoid_gate", "SigmoidGate"),
             )
+        ]
+        + [
+            f"template __global__ void clef::rms_norm_rope_kernel<{t}, {n}>(clef::RmsNormRopeParams);"
+            for t in DTYPES
+            for n in (8, 32)
         ],
         [],
     ),
@@ -126,7 +158,7 @@ FAMILIES = {
             f"template __global__ void clef::dequantize_int8_kernel<{t}, {v}>(clef::DequantizeParams);"
             for t in DTYPES
             for v in ("true", "false")
-        ],
+        ]
         [],
     ),
 }
@@ -193,6 +225,7 @@ class KernelUsage:
     static_smem: int  # bytes
     spill_bytes: int  # stores + loads
     threads: int | None  # None: no __launch_bounds__ (then the launch could use up to 1024 threads)
+    barriers: int = 0  # named barriers ptxas reserves (__syncthreads' included); 16 when an id is not an immediate
 
     def violations(self) -> list[str]:
         """What exceeds the per-kernel limits, or spills (empty: it fits)."""
@@ -210,6 +243,11 @@ class KernelUsage:
             )
         if self.static_smem > MAX_STATIC_SMEM:
             problems.append(f"{self.static_smem} B of static shared memory > {MAX_STATIC_SMEM}")
+        if self.barriers >= MAX_NAMED_BARRIERS:
+            problems.append(
+                f"{self.barriers} barriers reserved: a named barrier's id is not an immediate (cuda_utils.cuh "
+                "bar_sync<ID>), so ptxas keeps all 16 and fewer CTAs fit an SM"
+            )
         return problems
 
 
@@ -265,10 +303,16 @@ def kernel_usage(log_lines: list[str], ptx: str) -> list[KernelUsage]:
         registers = re.search(r"Used (\d+) registers", line)
         if registers and mangled:
             smem = re.search(r"(\d+) bytes smem", line)
+            barriers = re.search(r"(\d+) barriers?\b", line)
             name = demangle(mangled).replace("clef::", "")
             usage.append(
                 KernelUsage(
-                    name, int(registers.group(1)), int(smem.group(1)) if smem else 0, spills, threads.get(mangled)
+                    name,
+                    int(registers.group(1)),
+                    int(smem.group(1)) if smem else 0,
+                    spills,
+                    threads.get(mangled),
+                    int(barriers.group(1)) if barriers else 0,
                 )
             )
             mangled = None
@@ -300,16 +344,7 @@ int main(int, char** argv) {
   }
 }
 """
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = Path(tmp) / "probe"
-        subprocess.run(
-            ["c++", "-std=c++20", f"-I{ROOT / 'csrc'}", "-x", "c++", "-", "-o", str(exe)],
-            input=probe,
-            text=True,
-            check=True,
-            capture_output=True,
-        )
-        out = subprocess.run([str(exe), str(smem_limit)], capture_output=True, text=True, check=True).stdout
+    out = host_probe(probe, str(smem_limit))
     return [
         Tile(kind, int(d), int(keys), int(size)) for kind, d, keys, size in (line.split() for line in out.splitlines())
     ]
@@ -370,10 +405,13 @@ def print_report(report: Report, quiet: bool) -> None:
     print(f"check_archs: NVRTC {report.nvrtc_version}, target {report.arch} ({cards}; {limit // 1024} KB a block)")
     if quiet:
         return
-    print(f"     {'kernel':78s} {'regs':>4s} {'x threads':>9s} {'static smem':>11s} {'spills':>6s}")
+    print(f"     {'kernel':78s} {'regs':>4s} {'x threads':>9s} {'static smem':>11s} {'spills':>6s} {'barriers':>8s}")
     for k in report.kernels:
         per_block = f"{k.registers * k.threads}" if k.threads else "?"
-        print(f"     {k.name[:78]:78s} {k.registers:>4d} {per_block:>9s} {k.static_smem:>9d} B {k.spill_bytes:>4d} B")
+        print(
+            f"     {k.name[:78]:78s} {k.registers:>4d} {per_block:>9s} {k.static_smem:>9d} B {k.spill_bytes:>4d} B"
+            f" {k.barriers:>8d}"
+        )
     print("     paged-attention tiles (keys per tile, dynamic shared memory):")
     tensor_cores = int(report.arch.removeprefix("sm_")) >= 70
     for t in report.tiles:

@@ -26,7 +26,8 @@ NVCC12 = NVCC13 | {"6.0", "6.1", "6.2", "7.0", "7.2"}
 
 
 def test_default_archs_drop_what_nvcc_cannot_target(setup_module, capsys):
-    assert setup_module.choose_archs("13.0", NVCC13) == ["7.5", "8.0", "9.0"]
+    """nvcc 13: Turing to Blackwell as machine code, sm_90's PTX embedded for any newer card."""
+    assert setup_module.choose_archs("13.0", NVCC13) == ["7.5", "8.0", "9.0+PTX", "10.0", "12.0"]
     printed = capsys.readouterr().out
     assert "dropping sm_60: nvcc 13.0 cannot target it" in printed
     assert "dropping sm_70: nvcc 13.0 cannot target it" in printed
@@ -34,7 +35,17 @@ def test_default_archs_drop_what_nvcc_cannot_target(setup_module, capsys):
 
 
 def test_default_archs_with_a_cuda12_toolchain_include_pascal_and_v100(setup_module):
-    assert setup_module.choose_archs("12.9", NVCC12) == ["6.0", "7.0", "7.5", "8.0", "9.0"]
+    assert setup_module.choose_archs("12.9", NVCC12) == ["6.0", "7.0", "7.5", "8.0", "9.0+PTX", "10.0", "12.0"]
+
+
+def test_before_cuda_12_8_blackwell_runs_sm_90s_ptx(setup_module, capsys):
+    """A CUDA 12.6 toolchain (the V100 image's) has no sm_100 or sm_120: they are dropped, saying that the
+    embedded PTX covers them, and never the PTX itself."""
+    nvcc126 = NVCC12 - {"10.0", "12.0"}
+    assert setup_module.choose_archs("12.6", nvcc126) == ["6.0", "7.0", "7.5", "8.0", "9.0+PTX"]
+    printed = capsys.readouterr().out
+    assert "dropping sm_100: nvcc 12.6 cannot target it (CUDA 12.8 or newer has it; until then sm_90's" in printed
+    assert "dropping sm_120" in printed
 
 
 def test_torch_cuda_arch_list_is_respected(setup_module, monkeypatch):

@@ -1,8 +1,8 @@
-"""Every CUDA kernel compiles for every GPU generation we serve, sm_60 (P100) to sm_90, with CUDA 12.9's
-NVRTC (scripts/check_archs.py): no spills, ptxas' figures within each arch's limits, a paged-attention
-tile for every head dim within the arch's shared memory per block (tensor-core ones, v1's and v2's, from
-sm_70, the D = 256 ones on a T4 in 64 KB), and the limit checks themselves shown to fail on kernels over
-them."""
+"""Every CUDA kernel compiles for every GPU generation we serve, sm_60 (P100) to sm_100 (B200) and sm_120
+(RTX 50x0), with CUDA 12.9's NVRTC (scripts/check_archs.py): no spills, ptxas' figures within each arch's
+limits, no more named barriers than a kernel names, a paged-attention tile for every head dim within the
+arch's shared memory per block (tensor-core ones, v1's and v2's, from sm_70, the D = 256 ones on a T4 in
+64 KB), and the limit checks themselves shown to fail on kernels over them."""
 
 from __future__ import annotations
 
@@ -34,7 +34,17 @@ def report(arch: str):
         pytest.fail(f"the NVRTC 12.9 oracle is missing ({missing}); scripts/setup_env.sh puts it in .cache/nvrtc12")
 
 
-ARCHS = ("sm_60", "sm_61", "sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+ARCHS = ("sm_60", "sm_61", "sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+
+
+def test_the_arch_table_is_the_headers_and_covers_blackwell():
+    """check_archs reads each arch's shared memory from csrc/common/arch_limits.h (the simulator's table too):
+    Blackwell's B200 has H100's 227 KB a block, the RTX 50x0 an RTX 40x0's 99 KB."""
+    table = check_archs_module().ARCHS
+    assert tuple(table) == ARCHS
+    assert table["sm_100"][0] == table["sm_90"][0] == 227 * 1024
+    assert table["sm_120"][0] == table["sm_89"][0] == 99 * 1024
+    assert table["sm_75"][0] == 64 * 1024 and table["sm_61"][0] == 48 * 1024
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -55,7 +65,7 @@ def test_each_card_gets_the_tiles_its_shared_memory_holds():
     """D = 256 (clef-flash): the 32-key tensor-core tile (75.75 KB) where the opt-in allows it, the
     16-key one (55 KB) in a T4's 64 KB; the SIMT kernel's 8-key tile (33.6 KB) in Pascal's 48 KB."""
     assert tiles("sm_75")[("wmma", 256)] == (16, 56320)
-    for arch in ("sm_70", "sm_80", "sm_86", "sm_89", "sm_90"):
+    for arch in ("sm_70", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"):
         assert tiles(arch)[("wmma", 256)] == (32, 77568), arch
     for arch in ARCHS:
         limit = check_archs_module().ARCHS[arch][0]
@@ -84,7 +94,7 @@ def test_tensor_core_v2_fits_every_tensor_core_card_without_spills():
     the 16-key one (61.25 KB) in a T4's 64 KB; eight instantiations and two combine kernels, no spills; below
     sm_70 (and bf16 below sm_80) a trap the launcher never reaches."""
     assert tiles("sm_75")[("wmma2", 256)] == (16, 62720)
-    for arch in ("sm_70", "sm_80", "sm_86", "sm_89", "sm_90"):
+    for arch in ("sm_70", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"):
         assert tiles(arch)[("wmma2", 256)] == (32, 88064), arch
     for arch in ("sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90"):
         assert tiles(arch)[("wmma2", 64)][0] == 32 and tiles(arch)[("wmma2", 128)][0] == 32, arch
@@ -99,6 +109,15 @@ def test_tensor_core_v2_fits_every_tensor_core_card_without_spills():
     assert all(k.registers < 16 for k in report("sm_60").kernels if "paged_attention_wmma2_kernel" in k.name)
 
 
+def test_v2_reserves_only_the_barriers_it_names():
+    """v2's warp pairs take named barriers 1..4 by immediate ids (group_bar_sync): ptxas reserves 5 with
+    __syncthreads', not all 16 as it does for an id held in a register."""
+    for arch in ("sm_70", "sm_90", "sm_120"):
+        v2 = [k for k in report(arch).kernels if "paged_attention_wmma2_kernel" in k.name and "__half" in k.name]
+        assert v2 and all(k.barriers == 5 for k in v2), [(k.name, k.barriers) for k in v2]
+        assert all(k.barriers <= 1 for k in report(arch).kernels if "wmma2" not in k.name and "probe" not in k.name)
+
+
 def test_the_limit_checks_fail_kernels_over_the_limits():
     usage = check_archs_module().KernelUsage
     assert not usage("fits", 255, 48 * 1024, 0, 256).violations()
@@ -107,5 +126,7 @@ def test_the_limit_checks_fail_kernels_over_the_limits():
     assert usage("too much static shared memory", 32, 48 * 1024 + 1, 0, 128).violations()
     assert usage("no launch bounds", 32, 0, 0, None).violations()
     assert usage("spills", 64, 0, 16, 128).violations()
+    assert usage("every named barrier reserved", 64, 0, 0, 128, 16).violations()
+    assert not usage("five named barriers", 64, 0, 0, 128, 5).violations()
     module = check_archs_module()
     assert [t.keys for t in module.attention_tiles(40 * 1024) if t.kernel == "simt"] == [32, 32, 32, 0, 8]

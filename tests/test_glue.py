@@ -118,12 +118,76 @@ def test_empty_inputs_are_no_ops(backend):
     assert ops.sigmoid_gate(torch.empty(0, 2, 4, device=device), torch.empty(0, 2, 4, device=device)).shape == (0, 8)
 
 
+def run_in_place(ops, op: str, tokens: int, heads: int, dim: int, dtype, device):
+    """`op` writing its output over its own input (the schema allows out = x for the ops that read each element
+    before writing it): (the in-place result, the reference on a copy of the input)."""
+    if op == "rms_norm_rope":
+        rotary = max(2, dim // 2)  # half = dim / 4: a multiple of 32 at dim 128+, so a lane is its own partner
+        x = torch.randn(tokens, heads, dim).to(device, dtype)
+        scale = (1 + 0.2 * torch.randn(dim)).to(device)
+        angles = torch.randint(0, 5000, (tokens, rotary // 2)).float() / 7.0
+        cos, sin = angles.cos().to(device), angles.sin().to(device)
+        expected = reference.rms_norm_rope(x.clone(), scale, cos, sin, 1e-6)
+        return ops.rms_norm_rope(x, scale, cos, sin, 1e-6, out=x), expected
+    if op == "gated_rms_norm":
+        core = torch.randn(tokens, heads, dim).to(device, dtype)
+        z = torch.randn(tokens, heads * dim).to(device, dtype)
+        weight = (1 + 0.3 * torch.randn(dim)).to(device)
+        expected = reference.gated_rms_norm(core.clone(), z, weight, 1e-6)
+        return ops.gated_rms_norm(core, z, weight, 1e-6, out=core.view(tokens, heads * dim)), expected
+    if op == "sigmoid_gate":
+        attn = torch.randn(tokens, heads, dim).to(device, dtype)
+        gate = torch.randn(tokens, heads, dim).to(device, dtype)
+        expected = reference.sigmoid_gate(attn.clone(), gate)
+        return ops.sigmoid_gate(attn, gate, out=attn.view(tokens, heads * dim)), expected
+    assert op == "add_rms_norm"  # out replaces delta (x is the residual stream and stays apart)
+    x, delta = torch.randn(tokens, heads * dim).to(device), torch.randn(tokens, heads * dim).to(device, dtype)
+    scale = (1 + 0.2 * torch.randn(heads * dim)).to(device)
+    expected = reference.add_rms_norm(x.clone(), delta.clone(), scale, 1e-6)
+    return ops.add_rms_norm(x, delta, scale, 1e-6, out=delta), expected
+
+
+IN_PLACE = ["rms_norm_rope", "gated_rms_norm", "sigmoid_gate", "add_rms_norm"]
+
+
+@pytest.mark.parametrize("op", IN_PLACE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_in_place_is_right(backend, op, dtype):
+    """out = the input itself: right on every backend, the GPU's kernels (in the simulator) included. The
+    rope kernel used to write each value as soon as it was ready, so in place a later element read its
+    rotation partner already overwritten (the glue_rope_writes_before_reads fault below)."""
+    sizes = [(2, 2, 128), (3, 1, 64)] if backend.kind == "sim" else [(5, 4, 256), (3, 2, 64), (2, 3, 96)]
+    for tokens, heads, dim in sizes:
+        out, expected = run_in_place(backend.ops, op, tokens, heads, dim, dtype, backend.device)
+        assert close(out, expected, dtype)[0], (op, tokens, heads, dim)
+
+
+def test_a_partial_overlap_is_refused_naming_both():
+    """An output that overlaps an input other than as the input itself would race on a GPU (a thread reads
+    what another already wrote): a ValueError naming the two, before any launch."""
+    from clef_cuda import ops
+
+    gate_up = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="silu_mul: out overlaps gate_up in memory"):
+        ops.silu_mul(gate_up, out=gate_up.view(-1)[:32].view(4, 8))  # even its own first rows race
+    buffer = torch.randn(96)
+    with pytest.raises(ValueError, match="sigmoid_gate: out overlaps gate"):
+        ops.sigmoid_gate(torch.randn(3, 2, 8), buffer[:48].view(3, 2, 8), out=buffer[24:72].view(3, 16))
+    x = torch.randn(4, 2, 8)
+    with pytest.raises(ValueError, match=r"rms_norm_rope: out overlaps x in memory \(in place, it must be x itself"):
+        ops.rms_norm_rope(x[1:], torch.ones(8), torch.randn(3, 2), torch.randn(3, 2), 1e-6, out=x[:3])
+    residual = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="add_rms_norm: out overlaps x"):
+        ops.add_rms_norm(residual, None, torch.ones(8), 1e-6, out=residual)
+
+
 FAULTS = {
     "glue_residual_not_kept": lambda ops: run_add_rms_norm(ops, 3, 40, torch.float32, "cpu")[1],
     "glue_swapped_gate_up": lambda ops: run_silu_mul(ops, 3, 40, torch.float32, "cpu"),
     "glue_gate_skipped": lambda ops: run_gated_rms_norm(ops, 3, 2, 32, torch.float32, "cpu"),
     "glue_rope_backwards": lambda ops: run_rms_norm_rope(ops, 3, 2, 32, 16, torch.float32, "cpu"),
     "glue_gate_of_next_head": lambda ops: run_sigmoid_gate(ops, 3, 2, 32, torch.float32, "cpu"),
+    "glue_rope_writes_before_reads": lambda ops: run_in_place(ops, "rms_norm_rope", 2, 2, 128, torch.float32, "cpu"),
 }
 
 

@@ -94,9 +94,12 @@ def packed_queries(sequences, hq, d, dtype, device):
     return q_and_gate[:, :, :d]
 
 
-def attention_failures(backend, dtype, heads, sequences, kernel="auto") -> list[str]:
+def attention_failures(backend, dtype, heads, sequences, kernel="auto", max_query_len="exact") -> list[str]:
     """paged_attention vs the reference for each head configuration over one pack of `sequences`;
-    what went wrong for each configuration that does not match (empty: all match)."""
+    what went wrong for each configuration that does not match (empty: all match). max_query_len: "exact"
+    (the pack's longest, as the trunk passes it), or a value to pass (None: the op's num_tokens bound)."""
+    if max_query_len == "exact":
+        max_query_len = max((q for q, _ in sequences), default=0) or None
     failures = []
     for hq, hkv, d, block_size in heads:
         key_cache, value_cache, block_tables = make_cache(sequences, hkv, d, block_size, dtype, backend.device)
@@ -106,7 +109,9 @@ def attention_failures(backend, dtype, heads, sequences, kernel="auto") -> list[
         context_lens = torch.tensor([c for _, c in sequences], dtype=torch.int32, device=backend.device)
         out = nan_like(query.contiguous())
         caches = (key_cache, value_cache)
-        backend.ops.paged_attention(query, *caches, cu, context_lens, block_tables, out=out, kernel=kernel)
+        backend.ops.paged_attention(
+            query, *caches, cu, context_lens, block_tables, out=out, kernel=kernel, max_query_len=max_query_len
+        )
         expected = reference.paged_attention(
             query.cpu(), key_cache.cpu(), value_cache.cpu(), cu.cpu(), context_lens.cpu(), block_tables.cpu()
         )
@@ -121,6 +126,25 @@ def attention_failures(backend, dtype, heads, sequences, kernel="auto") -> list[
 def test_attention_matches_reference(backend, dtype):
     """The op as the trunk calls it (on a GPU, or in the simulator: the kernel the dispatch rule picks)."""
     assert not attention_failures(backend, dtype, HEADS[backend.kind], SEQUENCES[backend.kind])
+
+
+def test_without_the_hosts_max_query_len_the_grid_covers_the_whole_pack(backend):
+    """max_query_len=None sizes the grid from the pack's token count (the old bound: CTAs past a sequence's
+    queries exit at once): the same answers."""
+    assert not attention_failures(
+        backend, torch.float16, HEADS[backend.kind], SEQUENCES[backend.kind], max_query_len=None
+    )
+
+
+def test_a_max_query_len_below_a_sequence_is_refused_where_it_can_be_checked(backend):
+    """On CPU tensors (the CPU implementation, the simulator) the values are cheap to read: a bound below a
+    sequence's queries, which would leave its last rows unwritten on a GPU, is a ValueError naming it."""
+    sequences = [(3, 10), (7, 7)]
+    with pytest.raises(ValueError, match="sequence 1 has 7 new queries, more than max_query_len = 5"):
+        attention_failures(backend, torch.float32, HEADS[backend.kind][:1], sequences, max_query_len=5)
+    if backend.kind != "cuda":
+        with pytest.raises(ValueError, match="max_query_len must be >= 0"):
+            attention_failures(backend, torch.float32, HEADS[backend.kind][:1], sequences, max_query_len=-1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

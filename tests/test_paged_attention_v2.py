@@ -90,6 +90,7 @@ def test_wmma2_split_context_matches_reference(sim, cc, dtype):
         assert not split_failures(sim, dtype)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not cuda_available(), reason="needs a GPU and the CUDA build")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_wmma2_matches_reference_on_the_gpu(dtype):
@@ -154,6 +155,81 @@ def test_the_split_pass_runs_when_the_grid_is_smaller_than_the_gpu(sim):
             with simulated_sms(sms):
                 assert bool(attention_failures(sim, torch.float16, heads, SPLIT_PACK, kernel=KERNEL)) == split, sms
         assert not attention_failures(sim, torch.float16, heads, [(9, 40)], kernel=KERNEL)  # 80 keys of table
+
+
+def test_the_split_rule_counts_the_grids_real_ctas(sim):
+    """Four prefix-cache hits of 64 tokens (GQA 4, 2 KV heads): the grid sized from the host's longest query
+    (4 query tiles x 2 x 4 = 32 CTAs) is under a 64-SM device, so the split pass runs (seen through the
+    combine's fault); sized from the pack's 256 tokens (the old bound, max_query_len=None) the phantom CTAs
+    (16 tiles x 2 x 4 = 128) kept it from ever splitting."""
+    heads, pack = [(8, 2, 64, 16)], [(64, 192)] * 4
+    with simulated(fault="wmma2_combine_wrong_max"), simulated_sms(64):
+        assert attention_failures(sim, torch.float16, heads, pack, kernel=KERNEL)  # split: the fault shows
+        assert not attention_failures(sim, torch.float16, heads, pack, kernel=KERNEL, max_query_len=None)
+    with simulated_sms(64):
+        assert not attention_failures(sim, torch.float16, heads, pack, kernel=KERNEL)
+
+
+def test_a_grid_past_cudas_limits_is_a_clear_error(sim):
+    """65,536 sequences in one call would need grid.z = 65,536 (the limit is 65,535): the launcher says so
+    before any launch, for the SIMT kernel and v2 alike."""
+    n = 65536
+    key_cache, value_cache, tables = make_cache([(1, 1)] * 2, 1, 64, 16, torch.float16, "cpu")
+    query = torch.randn(n, 4, 64, dtype=torch.float16)
+    cu, ctx = cu_seqlens_of([1] * n), torch.ones(n, dtype=torch.int32)
+    tables = tables[:1].expand(n, -1).contiguous()
+    for kernel in ("simt", KERNEL):
+        with pytest.raises(RuntimeError, match="more sequences in one call than a grid's 65,535"):
+            sim.ops.paged_attention(query, key_cache, value_cache, cu, ctx, tables, kernel=kernel, max_query_len=1)
+
+
+def test_clef_smem_limit_gives_a_big_gpu_a_small_cards_tiles(sim, monkeypatch):
+    """CLEF_SMEM_LIMIT (test-only) caps the shared memory the launchers see, so an H100 runs a T4's 16-key
+    D = 256 tiles (64 KB) or Pascal's 48 KB, where no tensor-core tile of D = 256 fits: the dispatch then
+    falls back to SIMT and a forced tensor-core kernel is refused saying why."""
+    heads, pack = [(4, 1, 256, 16)], [(20, 70), (1, 9)]
+
+    def dispatch(kernel="auto"):
+        key_cache, value_cache, tables = make_cache(pack, 1, 256, 16, torch.float16, "cpu")
+        query = torch.randn(21, 4, 256, dtype=torch.float16)
+        cu, ctx = cu_seqlens_of([20, 1]), torch.tensor([70, 9], dtype=torch.int32)
+        return sim.ops.paged_attention_dispatch(query, key_cache, value_cache, cu, ctx, tables, kernel=kernel)
+
+    with simulated(compute_capability=90):
+        monkeypatch.setenv("CLEF_SMEM_LIMIT", str(64 * 1024))
+        assert dispatch() == "wmma" and not attention_failures(sim, torch.float16, heads, pack, kernel="wmma")
+        assert launched_smem() == 56320  # the T4's 16-key tile (55 KB), not the 32-key one an H100 takes
+        with simulated_sms(1):  # no split pass: v2's own launch is the last
+            assert not attention_failures(sim, torch.float16, heads, pack, kernel=KERNEL)
+        assert launched_smem() == 62720  # v2's 16-key tile (61.25 KB)
+        monkeypatch.setenv("CLEF_SMEM_LIMIT", str(48 * 1024))
+        assert dispatch() == "simt"
+        with pytest.raises(ValueError, match="no tensor-core tile of this head dim fits"):
+            dispatch("wmma")
+        assert not attention_failures(sim, torch.float16, heads, pack)
+        monkeypatch.delenv("CLEF_SMEM_LIMIT")
+        assert dispatch() == "wmma"
+        assert not attention_failures(sim, torch.float16, heads, pack, kernel="wmma") and launched_smem() == 77568
+
+
+def launched_smem() -> int:
+    return torch.ops.clef_sim.launcher_device_calls()[2]
+
+
+def test_the_device_is_asked_once_and_kernels_opted_in_once(sim):
+    """The launchers cache the device's attributes and each kernel's shared-memory opt-in per device: ten calls
+    ask nothing more after the first; a changed (simulated) device is asked again."""
+    heads, pack = [(4, 1, 256, 16)], [(20, 70)]
+    with simulated(compute_capability=90):
+        attention_failures(sim, torch.float16, heads, pack, kernel="wmma")
+        before = torch.ops.clef_sim.launcher_device_calls()
+        for _ in range(10):
+            attention_failures(sim, torch.float16, heads, pack, kernel="wmma")
+        assert torch.ops.clef_sim.launcher_device_calls()[:2] == before[:2]
+    with simulated(compute_capability=80):
+        attention_failures(sim, torch.float16, heads, pack, kernel="wmma")
+    queries, opt_ins, _ = torch.ops.clef_sim.launcher_device_calls()
+    assert queries > before[0] and opt_ins > before[1]
 
 
 def test_wmma2_runs_only_where_it_can_and_says_why_not(sim):

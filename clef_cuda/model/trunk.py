@@ -389,7 +389,13 @@ class Trunk:
             attn = self.attention_choice(batch)(q, key_cache, value_cache, batch)
         else:
             attn = self.ops.paged_attention(
-                q, key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables
+                q,
+                key_cache,
+                value_cache,
+                batch.cu_seqlens,
+                batch.context_lens,
+                batch.block_tables,
+                max_query_len=max(batch.q_lens, default=0) or None,
             )
         gated = self.ops.sigmoid_gate(attn, query_gate[..., d:])  # [N, Hq D]
         return self._linear(gated, w.o_proj, lora, index, "o_proj")

@@ -25,9 +25,10 @@
 #ifndef CLEF_CHECK_ALIGNED
 #define CLEF_CHECK_ALIGNED(ptr, bytes, what)
 #endif
-// Named barrier: the simulator models it as a barrier of its own per (block, id).
+// Named barrier: the simulator models it as a barrier of its own per (block, id). The id is an immediate
+// ("n"): with an id from a register ptxas cannot tell which barriers a kernel uses and reserves all 16.
 #ifndef CLEF_BAR_SYNC
-#define CLEF_BAR_SYNC(id, threads) asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory")
+#define CLEF_BAR_SYNC(id, threads) asm volatile("bar.sync %0, %1;" ::"n"(id), "r"(threads) : "memory")
 #endif
 
 namespace clef {
@@ -71,9 +72,25 @@ __device__ __forceinline__ void store16(void* dst, uint4 value) {
   *static_cast<uint4*>(dst) = value;
 }
 
-// Barrier `id` (1..15: 0 is __syncthreads') over `threads` threads, a multiple of 32: warps that share
+// Barrier ID (1..15: 0 is __syncthreads') over `threads` threads, a multiple of 32: warps that share
 // work wait for each other without holding up the rest of the CTA. Every participant passes the same
 // count; the memory ordering is __syncthreads' among them.
-__device__ __forceinline__ void bar_sync(int id, int threads) { CLEF_BAR_SYNC(id, threads); }
+template <int ID>
+__device__ __forceinline__ void bar_sync(int threads) {
+  static_assert(ID >= 1 && ID <= 15, "named barriers 1..15 (0 is __syncthreads')");
+  CLEF_BAR_SYNC(ID, threads);
+}
+
+// Barrier 1 + group for warp group 0..3 (v2 attention's warp pairs), each id an immediate, so a kernel
+// that runs up to 4 groups is seen to use barriers 0..4 and no more.
+constexpr int kMaxBarrierGroups = 4;
+__device__ __forceinline__ void group_bar_sync(int group, int threads) {
+  switch (group) {
+    case 0: bar_sync<1>(threads); break;
+    case 1: bar_sync<2>(threads); break;
+    case 2: bar_sync<3>(threads); break;
+    default: bar_sync<4>(threads); break;
+  }
+}
 
 }  // namespace clef

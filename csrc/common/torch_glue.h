@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <string>
+#include <utility>
 
 #include "common/hd.h"
 
@@ -52,6 +53,31 @@ inline void check_contiguous(const at::Tensor& t, const char* op, const char* na
 inline void check_last_dim_contiguous(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK_VALUE(t.size(-1) <= 1 || t.stride(-1) == 1, op, ": ", name,
                     " must have a contiguous last dimension (strides ", t.strides(), ")");
+}
+
+// The bytes [first, last] a tensor's elements span (strides may be any non-negative values).
+inline std::pair<const char*, const char*> byte_span(const at::Tensor& t) {
+  const char* first = static_cast<const char*>(t.data_ptr());
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return {first, first + (last + 1) * t.element_size() - 1};
+}
+
+// `out` written by a kernel while `input` is read: refused when their memory overlaps, unless the op reads
+// each element before writing it in the same thread (`identical_ok`) and out is input itself (same
+// address, shape and strides). A partial overlap would race: a kernel thread could read a value another
+// has already overwritten.
+inline void check_no_overlap(const at::Tensor& out, const at::Tensor& input, const char* op, const char* out_name,
+                             const char* input_name, bool identical_ok) {
+  if (out.numel() == 0 || input.numel() == 0) return;
+  const auto [out_first, out_last] = byte_span(out);
+  const auto [in_first, in_last] = byte_span(input);
+  if (out_last < in_first || in_last < out_first) return;
+  const bool identical = out.data_ptr() == input.data_ptr() && out.sizes() == input.sizes() &&
+                         out.strides() == input.strides() && out.scalar_type() == input.scalar_type();
+  TORCH_CHECK_VALUE(identical && identical_ok, op, ": ", out_name, " overlaps ", input_name, " in memory",
+                    identical_ok ? " (in place, it must be " : " (it must be a separate tensor", identical_ok ? input_name : "",
+                    identical_ok ? " itself: same address, shape and strides)" : ")");
 }
 
 inline int32_t checked_int32(int64_t v, const char* op, const char* what) {

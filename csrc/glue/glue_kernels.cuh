@@ -82,11 +82,14 @@ __global__ void __launch_bounds__(kGlueThreads) gated_rms_norm_kernel(GatedRmsNo
 }
 
 // A warp per (token, head): RMSNorm over the head, then rotate-half on the first 2 * rotary_half dims.
-template <typename T>
+// Every value of the row is read (the element and its rotation partner, which another lane may own) and
+// its result held in registers before any is written: so out may be x itself (in place), which the
+// schema allows. PER_LANE (>= dim / 32) bounds the registers: 8 up to head dim 256, 32 up to 1024.
+template <typename T, int PER_LANE>
 __global__ void __launch_bounds__(kGlueThreads) rms_norm_rope_kernel(RmsNormRopeParams p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kGlueWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= p.tokens * p.heads) return;
+  if (row >= p.tokens * p.heads) return;  // uniform over the warp
   const int64_t token = row / p.heads;
   const int head = static_cast<int>(row % p.heads);
   const T* x = static_cast<const T*>(p.x) + token * p.x_token_stride + head * p.x_head_stride;
@@ -95,7 +98,11 @@ __global__ void __launch_bounds__(kGlueThreads) rms_norm_rope_kernel(RmsNormRope
   for (int d = lane; d < p.dim; d += 32) ss += to_f32(x[d]) * to_f32(x[d]);
   const float factor = rms_factor(group_sum<32>(ss), p.dim, p.eps);
   const int half = p.rotary_half;
-  for (int d = lane; d < p.dim; d += 32) {
+  float values[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int d = lane + 32 * i;
+    if (d >= p.dim) break;
     const float xd = to_f32(x[d]) * factor * p.scale[d];
     float value = xd;
     if (d < 2 * half) {
@@ -106,7 +113,17 @@ __global__ void __launch_bounds__(kGlueThreads) rms_norm_rope_kernel(RmsNormRope
       const float s = CLEF_FAULT(glue_rope_backwards, p.sin[token * half + j], -p.sin[token * half + j]);
       value = rope_value(xd, xp, d, half, p.cos[token * half + j], s);
     }
-    out[d] = from_f32<T>(value);
+    values[i] = value;
+    // (The fault: the old kernel's write as soon as a value is ready; in place, a later element of this
+    // lane, or another lane's, then reads its rotation partner already overwritten.)
+    if (CLEF_FAULT(glue_rope_writes_before_reads, false, true)) out[d] = from_f32<T>(value);
+  }
+  __syncwarp();  // every lane's reads of the row are done: in place, out[d] may now replace x[d]
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int d = lane + 32 * i;
+    if (d >= p.dim) break;
+    out[d] = from_f32<T>(values[i]);
   }
 }
 

@@ -42,9 +42,13 @@ template <typename T>
 static const char* launch_gated_rms_norm(const GatedRmsNormParams& p, cudaStream_t stream) {
   return launch_glue(&gated_rms_norm_kernel<T>, blocks_for(p.tokens * p.heads, kGlueWarps), p, stream);
 }
+// The row's results wait in PER_LANE registers a lane (head dims up to 32 x PER_LANE).
 template <typename T>
 static const char* launch_rms_norm_rope(const RmsNormRopeParams& p, cudaStream_t stream) {
-  return launch_glue(&rms_norm_rope_kernel<T>, blocks_for(p.tokens * p.heads, kGlueWarps), p, stream);
+  const int64_t blocks = blocks_for(p.tokens * p.heads, kGlueWarps);
+  if (p.dim <= 32 * 8) return launch_glue(&rms_norm_rope_kernel<T, 8>, blocks, p, stream);
+  if (p.dim <= 32 * 32) return launch_glue(&rms_norm_rope_kernel<T, 32>, blocks, p, stream);
+  return "rms_norm_rope: head dims up to 1024";
 }
 template <typename T>
 static const char* launch_sigmoid_gate(const SigmoidGateParams& p, cudaStream_t stream) {

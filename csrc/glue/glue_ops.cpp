@@ -36,6 +36,14 @@ void add_rms_norm(at::Tensor& x, const std::optional<at::Tensor>& delta, const a
     check_contiguous(*delta, op, "delta");
   }
   check_fp32_vector(scale, x.size(1), x, op, "scale");
+  // x is the residual stream it updates: out may replace delta (each thread reads its delta element
+  // before writing the same out element), never x.
+  check_no_overlap(out, x, op, "out", "x", false);
+  if (delta.has_value()) {
+    check_no_overlap(out, *delta, op, "out", "delta", true);
+    check_no_overlap(x, *delta, op, "x", "delta", false);
+  }
+  check_no_overlap(out, scale, op, "out", "scale", false);
   AddRmsNormParams p;
   p.x = x.data_ptr<float>();
   p.delta = delta.has_value() ? delta->data_ptr() : nullptr;
@@ -56,6 +64,8 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
   check_shape(out, {gate_up.size(0), gate_up.size(1) / 2}, op, "out");
   check_like(out, gate_up, op, "out");
   check_contiguous(out, op, "out");
+  // Element (r, c) of out sits where other threads read gate_up's rows: no overlap at all.
+  check_no_overlap(out, gate_up, op, "out", "gate_up", false);
   SiluMulParams p;
   p.gate_up = gate_up.data_ptr();
   p.out = out.data_ptr();
@@ -78,6 +88,11 @@ void gated_rms_norm(const at::Tensor& core, const at::Tensor& z, const at::Tenso
   check_shape(out, {tokens, heads * dim}, op, "out");
   check_like(out, core, op, "out");
   check_contiguous(out, op, "out");
+  // Each lane reads its core and z elements before writing the same out element: out may be core (or z)
+  // itself, but not overlap either otherwise.
+  check_no_overlap(out, core.view({tokens, heads * dim}), op, "out", "core", true);
+  check_no_overlap(out, z, op, "out", "z", true);
+  check_no_overlap(out, weight, op, "out", "weight", false);
   GatedRmsNormParams p;
   p.core = core.data_ptr();
   p.z = z.data_ptr();
@@ -113,6 +128,10 @@ void rms_norm_rope(const at::Tensor& x, const at::Tensor& scale, const at::Tenso
   check_shape(out, x.sizes(), op, "out");
   check_like(out, x, op, "out");
   check_contiguous(out, op, "out");
+  // A row's rotation partners are read before any of it is written (glue_kernels.cuh): out may be x itself.
+  check_no_overlap(out, x, op, "out", "x", true);
+  for (const auto& [t, name] : {std::pair{scale, "scale"}, std::pair{cos, "cos"}, std::pair{sin, "sin"}})
+    check_no_overlap(out, t, op, "out", name, false);
   RmsNormRopeParams p;
   p.x = x.data_ptr();
   p.x_token_stride = x.stride(0);
@@ -140,6 +159,10 @@ void sigmoid_gate(const at::Tensor& attn, const at::Tensor& gate, at::Tensor& ou
   check_shape(out, {attn.size(0), attn.size(1) * attn.size(2)}, op, "out");
   check_like(out, attn, op, "out");
   check_contiguous(out, op, "out");
+  // Element e of out is written by the thread that reads element e of attn: out may be attn itself; the
+  // gate is read at other strides, so it must not overlap out.
+  check_no_overlap(out, attn.view({attn.size(0), attn.size(1) * attn.size(2)}), op, "out", "attn", true);
+  check_no_overlap(out, gate, op, "out", "gate", false);
   SigmoidGateParams p;
   p.attn = attn.data_ptr();
   p.gate = gate.data_ptr();

@@ -21,6 +21,7 @@
 // start-up autotune times it against v1 on the device, which no rule written here can know.
 #pragma once
 
+#include "common/arch_limits.h"
 #include "common/hd.h"
 
 namespace clef {
@@ -53,6 +54,11 @@ struct PagedAttentionParams {
   const int32_t* block_tables = nullptr;
   int64_t block_table_stride = 0;
   int64_t num_tokens = 0;
+  // The most new queries any one sequence has (the host knows it: ChunkBatch.q_lens). The launchers size
+  // the grid's query tiles from it, so a pack of short chunks launches no CTAs that exit at once; 0 (not
+  // given) falls back to num_tokens, a bound that needs no device-to-host copy. A smaller value than a
+  // sequence's q_len would leave its last rows unwritten: the host entry checks it on CPU tensors.
+  int64_t max_q_len = 0;
   int batch = 0;
   int num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
   int block_size = 0, num_blocks = 0, max_blocks_per_seq = 0;
@@ -113,6 +119,16 @@ CLEF_HD int64_t paged_key_offset(const PagedAttentionParams& p, int b, int pos, 
   return cache_slot_offset(slot, kv_head, p.num_kv_heads, p.head_dim);
 }
 
+// Queries of the longest sequence of the pack: what the grid's query tiles must cover.
+CLEF_HD int64_t attn_max_q_len(const PagedAttentionParams& p) {
+  return p.max_q_len > 0 && p.max_q_len < p.num_tokens ? p.max_q_len : p.num_tokens;
+}
+
+// Query tiles of `tile_tokens` tokens the grid needs along x.
+CLEF_HD int64_t attn_query_tiles(const PagedAttentionParams& p, int tile_tokens) {
+  return (attn_max_q_len(p) + tile_tokens - 1) / tile_tokens;
+}
+
 CLEF_HD int64_t attn_query_offset(int64_t token, int q_head, const PagedAttentionParams& p) {
   return token * p.query_token_stride + q_head * p.query_head_stride;
 }
@@ -144,7 +160,7 @@ constexpr int kWmmaRows = 16 * kWmmaWarps;
 // sm_60/61, which cannot opt in above it, 96 KB sm_70, 64 KB sm_75, 163 KB sm_80, 99 KB sm_86/89, 227 KB
 // sm_90), opting in above the 48 KB default when it must. The dispatch rule and the compile checks use
 // the same functions.
-constexpr int kDefaultSmemBytes = 48 * 1024;  // what a kernel gets without cudaFuncSetAttribute
+constexpr int kDefaultSmemBytes = kDefaultSmemPerBlock;  // what a kernel gets without cudaFuncSetAttribute
 
 // SIMT kernel (paged_attention_kernel): fp32 tiles of q, k, v, probabilities, rescale factors and key
 // offsets. D = 256 takes 16 keys (49.4 KB: the opt-in on sm_70+) or 8 (33.6 KB: Pascal's 48 KB).
@@ -303,13 +319,13 @@ CLEF_HD const char* paged_attention_wmma2_unsupported(const PagedAttentionParams
   return tensor_core_attention_unsupported(p, kind, device, paged_attention_wmma2_keys(p.head_dim, device.smem_limit));
 }
 
-// v2's split-context pass. The rule: it engages when the grid (query tiles of the pack x KV heads x
-// sequences, counted from the pack's token count as the launcher sizes it: no device-to-host copy) has
+// v2's split-context pass. The rule: it engages when the grid (query tiles of the longest sequence x KV
+// heads x sequences, as the launcher sizes it from the host's max_q_len: no device-to-host copy) has
 // fewer CTAs than the device has SMs, so SMs would idle while a few CTAs walk a long context (one record
 // of clef-flash, GQA 4: a 64-token prefix-cache hit over a 16k context is 16 CTAs for a V100's 80 SMs, a
 // 16-token one 4). Each CTA's key range is then cut into up to `splits` parts, run by separate CTAs:
 //   splits = min(SMs / CTAs, kWmma2MaxSplits, the block table's key capacity / (keys a tile x
-//            kWmma2MinTilesPerSplit)), and no split when that is below 2.
+//            kWmma2MinTilesPerSplit), 65,535 / sequences (grid.z)), and no split when that is below 2.
 // SMs / CTAs keeps the split grid within one wave. A part adds about one to two K/V tiles' time to its
 // CTA (staging its Q tile, writing its fp32 partial rows; the combine's read-back is a separate small
 // pass), hence at least kWmma2MinTilesPerSplit tiles a part. The block table's capacity bounds the
@@ -319,8 +335,7 @@ constexpr int kWmma2MaxSplits = 32;
 constexpr int kWmma2MinTilesPerSplit = 2;
 
 CLEF_HD int paged_attention_wmma2_query_tiles(const PagedAttentionParams& p) {
-  const int tile_tokens = kWmmaRows / (p.num_q_heads / p.num_kv_heads);
-  return static_cast<int>((p.num_tokens + tile_tokens - 1) / tile_tokens);
+  return static_cast<int>(attn_query_tiles(p, kWmmaRows / (p.num_q_heads / p.num_kv_heads)));
 }
 
 CLEF_HD int64_t paged_attention_wmma2_ctas(const PagedAttentionParams& p) {
@@ -333,6 +348,7 @@ CLEF_HD int paged_attention_wmma2_splits(const PagedAttentionParams& p, Attentio
   const int64_t capacity_tiles = (static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size + keys - 1) / keys;
   int64_t splits = device.multiprocessors / ctas;
   if (splits > kWmma2MaxSplits) splits = kWmma2MaxSplits;
+  if (splits > kMaxGridYZ / p.batch) splits = kMaxGridYZ / p.batch;  // grid.z = sequences x parts
   if (splits > capacity_tiles / kWmma2MinTilesPerSplit) splits = capacity_tiles / kWmma2MinTilesPerSplit;
   return splits >= 2 ? static_cast<int>(splits) : 1;
 }

@@ -48,9 +48,11 @@ __global__ void __launch_bounds__(kCacheWriteThreads) reshape_and_cache_kernel(C
   }
 }
 
-// KEYS: keys per shared-memory tile (paged_attention_simt_keys picks it from the device's limit).
+// KEYS: keys per shared-memory tile (paged_attention_simt_keys picks it from the device's limit). The ", 1"
+// (one CTA an SM is enough): without it ptxas for sm_120 squeezes the fp32 tiles into 64-72 registers and
+// spills 12-40 bytes; the other archs' register counts are the same either way (check_archs).
 template <typename T, int D, int KEYS>
-__global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(PagedAttentionParams p) {
+__global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedAttentionParams p) {
   constexpr int QS = D + 1;  // padded row strides: lanes reading different rows hit different banks
   constexpr int KS = D + 1;
   constexpr int OUT_PER_THREAD = kAttnRows * D / kAttnThreads;
@@ -488,6 +490,7 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
   static_assert(KEYS <= kWmma2Threads, "one thread walks the block table per key");
   static_assert(2 * Layout::kKeys * RS * 2 >= kWmma2Warps * 256 * 4, "the row-index scratch lives in K/V");
   static_assert(16 * RS * 2 >= 2 * 256 * 4, "a pair's Q rows hold both warps' output staging");
+  static_assert(kWmma2Warps / 2 <= kMaxBarrierGroups, "a named barrier (group_bar_sync) per warp pair");
 
   const int group = p.num_q_heads / p.num_kv_heads;  // divides kWmmaRows (paged_attention_wmma2_unsupported)
   const int tile_tokens = kWmmaRows / group;
@@ -612,7 +615,7 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
         wmma::store_matrix_sync(pair_s + 16 * j, scores, SS, wmma::mem_row_major);
       }
       // (The fault: v1's whole-CTA count, 128, for a barrier only the pair's 64 threads reach.)
-      bar_sync(1 + pair, CLEF_FAULT(wmma2_pair_barrier_count, kWmma2PairThreads, kWmmaThreads));
+      group_bar_sync(pair, CLEF_FAULT(wmma2_pair_barrier_count, kWmma2PairThreads, kWmmaThreads));
 
       // Online softmax of the whole rows in fp32, into this warp's own probabilities.
       auto live = [&](int kk) { return offsets[kk] >= 0 && k0 + kk <= row_pos; };

@@ -1,12 +1,31 @@
 // Host-side launchers for the paged KV cache kernels. Torch-free on purpose.
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "paged_attention/paged_attention_kernels.cuh"
 #include "paged_attention/paged_attention_launch.h"
+
+// The simulator bumps this whenever a test changes the simulated device, so the cached attributes below
+// are read again; a real device's never change while the process runs.
+#ifndef CLEF_DEVICE_GENERATION
+#define CLEF_DEVICE_GENERATION() 0
+#endif
 
 namespace clef {
 
 static const char* last_error() {
   cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+// grid.y and grid.z above 65,535 fail to launch on every arch; say which dimension and why first.
+static const char* grid_error(unsigned y, unsigned z) {
+  if (y > static_cast<unsigned>(kMaxGridYZ)) return "paged_attention: more KV heads than a grid's 65,535 (grid.y)";
+  if (z > static_cast<unsigned>(kMaxGridYZ))
+    return "paged_attention: more sequences in one call than a grid's 65,535 (grid.z); split the pack";
+  return nullptr;
 }
 
 template <typename T>
@@ -27,22 +46,45 @@ const char* reshape_and_cache_cuda(const CacheWriteParams& p, ScalarKind kind, v
   return "reshape_and_cache: unknown dtype";
 }
 
-// Above the 48 KB default a kernel must opt in to its dynamic shared memory (cudaFuncSetAttribute).
+// The device the calling thread runs on: its ordinal, or -1 when it cannot be read.
+static int current_ordinal() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return device;
+}
+
+// Above the 48 KB default a kernel must opt in to its dynamic shared memory (cudaFuncSetAttribute). The
+// attribute belongs to the kernel on one device and holds for the process, so it is set once per
+// (kernel, device), not on every call.
 template <typename Kernel>
 static const char* opt_in(Kernel* kernel, int smem) {
   if (smem <= kDefaultSmemBytes) return nullptr;
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, std::pair<int, int>> opted;  // -> (generation, bytes)
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), current_ordinal()};
+  const int generation = CLEF_DEVICE_GENERATION();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = opted.find(key);
+  if (key.second >= 0 && found != opted.end() && found->second.first == generation && found->second.second >= smem)
+    return nullptr;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  if (key.second >= 0) opted[key] = {generation, smem};
+  return nullptr;
 }
 
 template <typename T, int D, int KEYS>
 static const char* launch_attention(const PagedAttentionParams& p, cudaStream_t stream) {
   const int tile_tokens = kAttnRows / (p.num_q_heads / p.num_kv_heads);
-  // Bounded by the whole pack so no device-to-host copy of cu_seqlens_q is needed; tiles past a
-  // sequence's queries exit at once.
-  const unsigned q_tiles = static_cast<unsigned>((p.num_tokens + tile_tokens - 1) / tile_tokens);
+  // Tiles for the longest sequence's queries (the host's max_q_len); a shorter sequence's tiles past its
+  // queries exit at once.
+  const unsigned q_tiles = static_cast<unsigned>(attn_query_tiles(p, tile_tokens));
   constexpr int smem = 4 * paged_attention_smem_floats(D, KEYS);
   auto* kernel = &paged_attention_kernel<T, D, KEYS>;
+  if (const char* err = grid_error(p.num_kv_heads, p.batch)) return err;
   if (const char* err = opt_in(kernel, smem)) return err;
   CLEF_LAUNCH(kernel, dim3(q_tiles, p.num_kv_heads, p.batch), kAttnThreads, smem, stream)(p);
   return last_error();
@@ -72,9 +114,10 @@ static const char* launch_for_head_dim(const PagedAttentionParams& p, AttentionD
 template <typename T, int D, int KEYS>
 static const char* launch_attention_wmma(const PagedAttentionParams& p, cudaStream_t stream) {
   const int tile_tokens = kWmmaRows / (p.num_q_heads / p.num_kv_heads);
-  const unsigned q_tiles = static_cast<unsigned>((p.num_tokens + tile_tokens - 1) / tile_tokens);
+  const unsigned q_tiles = static_cast<unsigned>(attn_query_tiles(p, tile_tokens));
   constexpr int smem = WmmaLayout<D, KEYS>::kBytes;
   auto* kernel = &paged_attention_wmma_kernel<T, D, KEYS>;
+  if (const char* err = grid_error(p.num_kv_heads, p.batch)) return err;
   if (const char* err = opt_in(kernel, smem)) return err;
   CLEF_LAUNCH(kernel, dim3(q_tiles, p.num_kv_heads, p.batch), kWmmaThreads, smem, stream)(p);
   return last_error();
@@ -103,6 +146,7 @@ static const char* launch_attention_wmma2(const PagedAttentionParams& p, cudaStr
   const unsigned parts = static_cast<unsigned>(p.splits);
   constexpr int smem = Wmma2Layout<D, KEYS>::kBytes;
   auto* kernel = &paged_attention_wmma2_kernel<T, D, KEYS>;
+  if (const char* err = grid_error(p.num_kv_heads, static_cast<unsigned>(p.batch) * parts)) return err;
   if (const char* err = opt_in(kernel, smem)) return err;
   CLEF_LAUNCH(kernel, dim3(q_tiles, p.num_kv_heads, p.batch * parts), kWmma2Threads, smem, stream)(p);
   if (p.splits == 1) return last_error();
@@ -134,12 +178,23 @@ static const char* launch_wmma2_for_head_dim(const PagedAttentionParams& p, Atte
   return "the tensor-core kernel v2 is compiled for head dims 64, 128 and 256 (within the device's shared memory)";
 }
 
-// The device's compute capability, per-block shared memory and SM count; zeros (the SIMT kernel, the
-// 48 KB default, no split) when it cannot be read.
-static AttentionDevice current_device() {
-  int device = 0, major = 0, minor = 0, optin = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+// Test-only: CLEF_SMEM_LIMIT=<bytes> caps the shared memory a block may have below the device's own, so a
+// large GPU runs the tiles of a smaller card (65536: a T4's; 49152: Pascal's, no opt-in). Read on every
+// call (a getenv), so a test can change it between calls; unset or unparsable: no cap.
+static int smem_limit_cap() {
+  const char* text = std::getenv("CLEF_SMEM_LIMIT");
+  if (text == nullptr || *text == 0) return 0;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  return end != nullptr && *end == 0 && value > 0 && value < (1L << 30) ? static_cast<int>(value) : 0;
+}
+
+// The device's compute capability, per-block shared memory and SM count, read once per device (four
+// attribute queries; zeros, i.e. the SIMT kernel, the 48 KB default and no split, when they cannot be
+// read), then capped by CLEF_SMEM_LIMIT.
+static AttentionDevice query_device(int device) {
+  int major = 0, minor = 0, optin = 0, sms = 0;
+  if (device < 0 || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -149,8 +204,26 @@ static AttentionDevice current_device() {
   return AttentionDevice{10 * major + minor, optin > kDefaultSmemBytes ? optin : kDefaultSmemBytes, sms};
 }
 
-AttentionChoice paged_attention_cuda_choice(const PagedAttentionParams& p, ScalarKind kind) {
-  const AttentionDevice device = current_device();
+static AttentionDevice current_device() {
+  constexpr int kMaxDevices = 64;
+  static std::mutex mutex;
+  static std::pair<int, AttentionDevice> cached[kMaxDevices];  // (generation + 1, attributes); 0: not read
+  const int ordinal = current_ordinal();
+  AttentionDevice device;
+  if (ordinal < 0 || ordinal >= kMaxDevices) {
+    device = query_device(ordinal);
+  } else {
+    const int generation = CLEF_DEVICE_GENERATION() + 1;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (cached[ordinal].first != generation) cached[ordinal] = {generation, query_device(ordinal)};
+    device = cached[ordinal].second;
+  }
+  const int cap = smem_limit_cap();
+  if (cap > 0 && cap < device.smem_limit) device.smem_limit = cap;
+  return device;
+}
+
+static AttentionChoice choose(const PagedAttentionParams& p, ScalarKind kind, AttentionDevice device) {
   AttentionChoice choice{paged_attention_choose_kernel(p, kind, device), nullptr};
   if (choice.kernel == AttentionKernel::Wmma) choice.error = paged_attention_wmma_unsupported(p, kind, device);
   if (choice.kernel == AttentionKernel::WmmaV2) {
@@ -164,10 +237,14 @@ AttentionChoice paged_attention_cuda_choice(const PagedAttentionParams& p, Scala
   return choice;
 }
 
+AttentionChoice paged_attention_cuda_choice(const PagedAttentionParams& p, ScalarKind kind) {
+  return choose(p, kind, current_device());
+}
+
 const char* paged_attention_cuda(const PagedAttentionParams& p, ScalarKind kind, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const AttentionDevice device = current_device();
-  const AttentionChoice choice = paged_attention_cuda_choice(p, kind);
+  const AttentionChoice choice = choose(p, kind, device);
   if (choice.error != nullptr) return choice.error;
   if (choice.kernel == AttentionKernel::WmmaV2) {
     switch (kind) {

@@ -44,6 +44,17 @@ void check_attention_metadata(const PagedAttentionParams& p, const at::Tensor& r
   }
 }
 
+// A max_query_len below a sequence's new queries would leave that sequence's last rows unwritten: checked
+// where the values are cheap to read (CPU tensors: the CPU implementation and the simulator).
+void check_max_query_len(const PagedAttentionParams& p, const at::Tensor& ref, const char* op) {
+  if (!ref.is_cpu() || p.max_q_len == 0) return;
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t q_len = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    TORCH_CHECK_VALUE(q_len <= p.max_q_len, op, ": sequence ", b, " has ", q_len, " new queries, more than max_query_len = ",
+                      p.max_q_len, " (the longest sequence's, or 0)");
+  }
+}
+
 }  // namespace
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
@@ -200,10 +211,13 @@ AttentionChoice checked_cuda_choice(const PagedAttentionParams& p, const at::Ten
 
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const at::Tensor& block_tables,
-                     double scale, at::Tensor& out, c10::string_view kernel) {
+                     double scale, at::Tensor& out, c10::string_view kernel, int64_t max_query_len) {
   const char* op = "paged_attention";
   PagedAttentionParams p =
       attention_params(query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, op);
+  TORCH_CHECK_VALUE(max_query_len >= 0, op, ": max_query_len must be >= 0 (0: not given), got ", max_query_len);
+  p.max_q_len = max_query_len;
+  check_max_query_len(p, query, op);
   const ScalarKind kind = activation_kind(query, op, "query");
   check_shape(out, query.sizes(), op, "out");
   check_dtype(out, query.scalar_type(), op, "out");

@@ -34,6 +34,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/arch_limits.h"
+
 // ---- the CUDA surface the kernels and launchers use -----------------------------------------------
 #define __global__
 #define __device__
@@ -83,19 +85,19 @@ inline std::string active_fault;
 // small grids tests can afford in the simulator are the ones a launcher sizes its work up for.
 inline int multiprocessor_count = 80;
 
-// The most shared memory one block may have on the simulated device, with the opt-in
-// (cudaDevAttrMaxSharedMemoryPerBlockOptin; CUDA C++ Programming Guide, "Compute Capabilities"):
-// Pascal cannot opt in above the 48 KB default.
-inline int max_dynamic_smem_bytes() {
-  switch (compute_capability) {
-    case 70: case 72: return 96 * 1024;
-    case 75: return 64 * 1024;
-    case 80: case 87: return 163 * 1024;
-    case 86: case 89: return 99 * 1024;
-    case 90: return 227 * 1024;
-    default: return kDefaultDynamicSmemBytes;  // sm_60/61/62, and any capability not listed
-  }
-}
+// The most shared memory one block may have on the simulated device, with the opt-in: the table the
+// compile check uses too (csrc/common/arch_limits.h; Pascal cannot opt in above the 48 KB default).
+inline int max_dynamic_smem_bytes() { return clef::arch_max_smem_per_block(compute_capability); }
+
+// Bumped whenever a test changes the simulated device (sim_controls.cpp), so that what the launchers
+// cache per device (its attributes, the kernels' shared-memory opt-ins) is read again, as a new process
+// on another card would.
+inline std::atomic<int> device_generation{0};
+// How often the launchers asked the device (cudaDeviceGetAttribute) and opted a kernel in
+// (cudaFuncSetAttribute): tests check that both happen once per device, not once per call.
+inline std::atomic<int64_t> attribute_queries{0};
+inline std::atomic<int64_t> opt_ins{0};
+inline std::atomic<int64_t> last_launch_smem{0};  // dynamic shared memory of the latest launch
 
 // Dynamic shared memory each kernel opted in to with cudaFuncSetAttribute.
 inline std::mutex attribute_mutex;
@@ -336,6 +338,7 @@ inline cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute, int v
                              " bytes of dynamic shared memory, more than sm_" +
                              std::to_string(clef_sim::compute_capability) + " allows (" +
                              std::to_string(clef_sim::max_dynamic_smem_bytes()) + ")");
+  ++clef_sim::opt_ins;
   std::lock_guard<std::mutex> lock(clef_sim::attribute_mutex);
   clef_sim::max_dynamic_smem[reinterpret_cast<const void*>(kernel)] = value;
   return cudaSuccess;
@@ -347,6 +350,7 @@ inline cudaError_t cudaGetDevice(int* device) {
 }
 
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  ++clef_sim::attribute_queries;
   switch (attr) {
     case cudaDevAttrComputeCapabilityMajor: *value = clef_sim::compute_capability / 10; break;
     case cudaDevAttrComputeCapabilityMinor: *value = clef_sim::compute_capability % 10; break;
@@ -361,6 +365,7 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) 
 #define CLEF_FAULT(name, good, faulty) (clef_sim::active_fault == #name ? (faulty) : (good))
 #define CLEF_CHECK_ALIGNED(ptr, bytes, what) clef_sim::check_aligned(ptr, bytes, what)
 #define CLEF_BAR_SYNC(id, threads) clef_sim::named_barrier_sync(id, threads)
+#define CLEF_DEVICE_GENERATION() clef_sim::device_generation.load()
 
 #include "wmma_sim.h"
 
@@ -389,6 +394,7 @@ class Launch {
                                  "cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize) first");
     }
     if (grid_.y > 65535 || grid_.z > 65535) throw std::runtime_error("simulated CUDA: grid.y/grid.z above 65535");
+    last_launch_smem = static_cast<int64_t>(smem_);
     blockDim = block_;
     gridDim = grid_;
     for (unsigned bz = 0; bz < grid_.z; ++bz)

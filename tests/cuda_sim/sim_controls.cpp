@@ -22,7 +22,7 @@ __global__ void named_barrier_probe(int how, int* results) {
   if (how == 1) threads = 48;                     // not a multiple of 32
   if (how == 2 && warp % 2 == 1) threads = 96;    // the participants disagree
   if (how == 3) threads = 128;                    // more than the pair: never reached
-  clef::bar_sync(1 + pair, threads);
+  clef::group_bar_sync(pair, threads);
   if (warp % 2 == 1) results[threadIdx.x] = handoff[pair * 32 + lane];
   const int any_odd = __any_sync(0xffffffffu, lane % 2), all_odd = __all_sync(0xffffffffu, lane % 2);
   const int all_live = __all_sync(0xffffffffu, 1), any_past = __any_sync(0xffffffffu, lane > 31);
@@ -54,6 +54,7 @@ int64_t set_compute_capability(int64_t cc) {
   TORCH_CHECK_VALUE(cc >= 10 && cc < 1000, "set_compute_capability: e.g. 70 for sm_70, got ", cc);
   const int previous = clef_sim::compute_capability;
   clef_sim::compute_capability = static_cast<int>(cc);
+  ++clef_sim::device_generation;
   return previous;
 }
 
@@ -61,6 +62,7 @@ int64_t set_multiprocessor_count(int64_t sms) {
   TORCH_CHECK_VALUE(sms >= 1 && sms <= 1024, "set_multiprocessor_count: 1..1024 SMs, got ", sms);
   const int previous = clef_sim::multiprocessor_count;
   clef_sim::multiprocessor_count = static_cast<int>(sms);
+  ++clef_sim::device_generation;
   return previous;
 }
 
@@ -70,9 +72,15 @@ std::string set_fault(c10::string_view name) {
   return previous;
 }
 
+// [device attribute queries, kernel opt-ins] so far, and the dynamic shared memory of the latest launch.
+std::vector<int64_t> launcher_device_calls() {
+  return {clef_sim::attribute_queries.load(), clef_sim::opt_ins.load(), clef_sim::last_launch_smem.load()};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(clef_sim, m) {
+  m.def("launcher_device_calls() -> int[]", &launcher_device_calls);
   m.def("set_compute_capability(int cc) -> int", &set_compute_capability);
   m.def("set_multiprocessor_count(int sms) -> int", &set_multiprocessor_count);
   m.def("set_fault(str name) -> str", &set_fault);
