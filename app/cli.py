@@ -19,6 +19,7 @@ EXIT_PLAN_DOES_NOT_FIT = 3  # --plan: the release does not fit the memory planne
 # What a failed on-device self-check (app.server) or shadow check (clef_cuda.serving.shadow) does.
 SELFCHECK_MODES = ("enforce", "warn", "off")
 AUTOTUNE_MODES = ("fast", "full", "off")  # clef_cuda.serving.autotune (kept here: the CLI imports no torch)
+KERNEL_TRIALS = ("auto", "child", "inline")  # clef_cuda.serving.autotune.KERNEL_TRIALS
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
 
@@ -169,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--autotune-cache",
         default=str(Path.home() / ".cache" / "clef-cuda" / "autotune"),
         help="directory caching the autotune's choices by device, driver, torch and package version ('' = none)",
+    )
+    p.add_argument(
+        "--kernel-trials",
+        choices=KERNEL_TRIALS,
+        default="auto",
+        help="where every kernel first runs on a device without an autotune cache entry: child (a trial process, "
+        "so a kernel that faults cannot take the server down), inline, or auto (child on a GPU)",
     )
     p.add_argument(
         "--selfcheck-interval",
@@ -543,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_metric_aliases=args.vllm_metric_aliases,
         autotune=args.autotune,
         autotune_cache=args.autotune_cache or None,
+        kernel_trials=args.kernel_trials,
     )
     app = create_app(settings, load_engine=lambda: make_engine(args))
     log.info("listening on %s:%d (model loading in the background; /ready says when it is done)", args.host, args.port)

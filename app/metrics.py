@@ -158,9 +158,18 @@ class Metrics:
                 ["op", "bucket", "impl"],
                 registry=self.registry,
             )
+            self.kernel_failed = Gauge(
+                "clef_kernel_failed",
+                "Always 1: a kernel that failed on this device (crashed, hung or faulted its trial, could not launch, "
+                "or faulted while serving) and is never run; its op runs the reference",
+                ["kernel"],
+                registry=self.registry,
+            )
         for op, buckets in report.choices.items():
             for bucket, impl in buckets.items():
                 self.kernel_choice.labels(op=op, bucket=bucket, impl=impl).set(1)
+        for kernel in report.failures:
+            self.kernel_failed.labels(kernel=kernel).set(1)
 
     def observe_selfcheck(self, report) -> None:
         """The on-device self-check's outcome (clef_cuda.serving.selfcheck.SelfCheckReport). The families exist only

@@ -15,8 +15,10 @@ model is described by name, and messages that would name the release or adapter 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -40,9 +42,14 @@ from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLon
 from clef_cuda.model.adapters import AdapterError, check_variant_name
 from clef_cuda.request.images import ImageError
 from clef_cuda.request.routing import prefix_key
-from clef_cuda.serving.autotune import AutotuneReport, autotune
+from clef_cuda.serving.autotune import AutotuneReport, autotune, cache_file, record_kernel_failure
 from clef_cuda.serving.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
+from clef_cuda.serving.guarded_ops import KernelFault
 from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
+
+# A sticky CUDA error killed this process's GPU context (clef_cuda.serving.guarded_ops): the kernel is recorded
+# as failed in the autotune cache and the process exits with this, for its supervisor to start it again.
+EXIT_KERNEL_FAULT = 4
 
 log = logging.getLogger("clef_serve")
 RETRY_AFTER_SECONDS = "1"
@@ -66,6 +73,9 @@ class ServerSettings:
     # where its choices are cached (None: not cached).
     autotune: str = "off"
     autotune_cache: str | None = None
+    # Where never-run kernels are first tried (clef_cuda.serving.trial): auto (a child process on a GPU),
+    # child, inline.
+    kernel_trials: str = "auto"
     adapter_root: str | None = None  # set: runtime adapter loading is on, from under this directory only
     vllm_metric_aliases: bool = True  # the protocol gauges under vLLM's names too
     max_json_depth: int = 256  # deeper bodies are a 422 before they are parsed
@@ -176,22 +186,41 @@ def create_app(
         return False
 
     def tune(loaded: Engine) -> None:
-        """The fastest self-checked implementation per op and call shape, on this device (never fatal: a
-        failure leaves the dispatch rule's kernels)."""
+        """Every kernel tried (on a GPU in a child process first: clef_cuda.serving.trial) and the fastest
+        verified implementation per op and call shape chosen, on this device; the trunk then runs on the
+        guarded op library. Never fatal: a failure leaves the dispatch rule's kernels."""
+        trunk = loaded.decider.trunk
         try:
-            report = autotune(loaded.decider.trunk, loaded.config, settings.autotune, settings.autotune_cache)
+            report = autotune(trunk, loaded.config, settings.autotune, settings.autotune_cache, settings.kernel_trials)
         except Exception:
             log.exception("the autotune failed: serving on the default kernels")
             return
+        loaded.on_kernel_fault = functools.partial(kernel_fault, report)
         if report is not None:
             state.autotune = report
             metrics.observe_autotune(report)
             log.info("%s", report.table())
 
+    def kernel_fault(report: AutotuneReport | None, fault: KernelFault) -> None:
+        """A sticky CUDA error: this process can run nothing more on its GPU. The kernel is recorded as failed
+        in the autotune cache (the next start skips it), /ready turns 503, and the process exits with
+        EXIT_KERNEL_FAULT a moment later (in-flight requests get their 503 first)."""
+        where = "not recorded (no --autotune-cache: the next start tries it again)"
+        if report is not None and settings.autotune_cache and report.key:
+            path = cache_file(Path(settings.autotune_cache), report.key)
+            record_kernel_failure(path, report.key, fault.kernel, f"faulted while serving: {fault.error}")
+            where = "recorded as failed in the autotune cache: the next start runs without it"
+        state.status, state.error = "failed", str(fault)
+        metrics.ready.set(0)
+        log.critical("clef-serve: %s; %s; exiting (%d)", fault, where, EXIT_KERNEL_FAULT)
+        timer = threading.Timer(1.0, lambda: os._exit(EXIT_KERNEL_FAULT))
+        timer.daemon = True
+        timer.start()
+
     def become_ready(loaded: Engine) -> None:
+        tune(loaded)  # first: on a GPU it tries every kernel where a fault costs nothing
         if not passes_selfcheck(loaded):
             return  # never started: /ready stays 503 and decisions are refused, naming the failed checks
-        tune(loaded)
         if loaded.adapters is not None:  # the start-up loads (runtime ones are counted as they happen)
             metrics.adapter_loads.labels(result="ok").inc(loaded.adapters.loads["ok"])
         loaded.start()
@@ -412,6 +441,8 @@ def create_app(
         except NumericalOverflowError as error:
             log.error("numerical overflow: %s", error)
             raise ClientError(500, "internal_error", str(error)) from error
+        except KernelFault as error:  # the server is about to restart without that kernel
+            raise ClientError(503, "service_unavailable", str(error), {"Retry-After": RETRY_AFTER_SECONDS}) from error
         except RequestCancelledError as error:
             raise ClientError(499, "client_closed_request", "the request was cancelled") from error
 

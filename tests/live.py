@@ -4,12 +4,14 @@ clef-serve as its own process."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -53,15 +55,21 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def clef_serve_process(*args: str, ready_timeout: float = WAIT_SECONDS):
+def clef_serve_process(
+    *args: str, ready_timeout: float = WAIT_SECONDS, env: dict[str, str] | None = None, faulty: bool = False
+):
     """`clef-serve ARGS --host 127.0.0.1 --p PORT` as a child process, once /ready answers 200; yields
-    (url, process, output lines so far). Killed on exit."""
+    (url, process, output lines so far). Killed on exit. `env` adds variables; `faulty` runs
+    tests/faulty_clef_serve.py (a test-only fault in every model it loads) instead."""
     port = free_port()
+    entry = [str(Path(__file__).parent / "faulty_clef_serve.py")] if faulty else ["-m", "app"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "app", *args, "--host", "127.0.0.1", "--p", str(port)],
+        [sys.executable, *entry, *args, "--host", "127.0.0.1", "--p", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=os.environ | (env or {}),
+        cwd=Path(__file__).parents[1],
     )
     url = f"http://127.0.0.1:{port}"
     output: list[str] = []

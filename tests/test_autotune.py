@@ -87,7 +87,7 @@ def test_the_cache_is_reused_and_another_devices_is_ignored(tiny, tmp_path, monk
     monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate, **_: 1.0)
     assert not tuning.autotune(tiny.trunk, CONFIG, "fast", tmp_path).cached
     other = tuning.cache_key(tiny.trunk, CONFIG, "fast", tuning.attention_buckets("fast", 2, 256, 4096))
-    assert tuning._cache_file(tmp_path, other | {"device": "another cpu"}) != path
+    assert tuning.cache_file(tmp_path, other | {"device": "another cpu"}) != path
 
 
 def test_a_batch_runs_its_nearest_buckets_choice():

@@ -112,7 +112,7 @@ def test_the_attention_checks_guard_the_tensor_core_kernel(sim_ops, cc):
     trunk = SimpleNamespace(ops=sim_ops, config=flash, dtype=torch.float16, embed=torch.empty(0))
 
     def failing() -> set[str]:
-        checks = _SelfCheck(trunk, block_size=16, seed=0).paged_attention()
+        checks = _SelfCheck.of(trunk, block_size=16, seed=0).paged_attention()
         assert {c.name for c in checks} >= {"paged_attention.prefix+chunk", "paged_attention.decode_pack"}
         return {c.name for c in checks if not c.passed}
 

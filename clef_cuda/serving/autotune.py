@@ -18,14 +18,25 @@ nearest bucket of its kind (decode, chunk after a prefix, prefill), by record co
 
 A candidate is checked before it is timed: against the reference on a small pack (a chunk after a cached
 prefix, a fresh prefill, a decode token; GQA) within the self-check's tolerance, and at each bucket against
-ours, which the self-check proved; one that raises or fails is never chosen. The table (op, bucket,
-candidate, ms, what happened) is logged, returned by /ready and exported (clef_kernel_choice). Choices are
-cached on disk keyed by device name, driver, torch and package version, dtype, shapes and buckets, so a
-restart with the same key pays nothing.
+ours; one that raises or fails is never chosen. The table (op, bucket, candidate, ms, what happened) is
+logged, returned by /ready and exported (clef_kernel_choice). Choices are cached on disk keyed by device
+name, driver, torch and package version, dtype, shapes and buckets, so a restart with the same key pays
+nothing.
+
+Fail-safe on a GPU: a kernel that has never run on this device can fault in a way no exception handler
+survives (an illegal address destroys the CUDA context). So with no cache entry for the device the whole
+first tune, and a trial of every other op's kernel at the model's shapes, runs in a child process
+(clef_cuda.serving.trial); a kernel that crashes, hangs or poisons that process is recorded in the report
+as failed, and the child is started again without it. The serving trunk runs on a GuardedOps library
+(clef_cuda.serving.guarded_ops) that keeps every failed kernel from running: its op runs the reference, or
+attention another kernel. A fault that still happens while serving is recorded in the same cache
+(record_kernel_failure), so the next start skips that kernel too. `failures` in the report, /ready and the
+log list them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -35,7 +46,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,14 +54,19 @@ import torch
 
 import clef_cuda
 from clef_cuda import ops, reference
+from clef_cuda.model.config import TrunkConfig
 from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
 from clef_cuda.sdpa import SDPA_BACKENDS, paged_attention_sdpa
+from clef_cuda.serving.guarded_ops import GuardedOps
 from clef_cuda.serving.selfcheck import OP_RTOL
 
 log = logging.getLogger("clef_cuda.serving.autotune")
 
 AUTOTUNE_MODES = ("fast", "full", "off")
+# Where never-run GPU kernels are first tried: "child" (a trial process, clef_cuda.serving.trial), "inline"
+# (this process: the CPU's default, whose kernels CI runs) or "auto" (child on a GPU).
+KERNEL_TRIALS = ("auto", "child", "inline")
 REPEATS = {"fast": 3, "full": 7}
 # Past this much tuning time the remaining buckets keep ours untimed (fast: 10 s on a GPU and 20 s on a
 # CPU are the targets at clef-tiny's shapes, which take ~5 s).
@@ -107,14 +123,51 @@ def nearest_bucket(buckets: list[Bucket], q_lens: tuple[int, ...], contexts: tup
     return min(same, key=distance)
 
 
+# ---- what is tuned ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TuneTarget:
+    """What the tune needs of a trunk: its op library, device, dtype and shapes. The trial process builds
+    one from the config alone, without weights."""
+
+    ops: object
+    config: TrunkConfig
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, trunk: Trunk) -> TuneTarget:
+        ops_ = trunk.ops.base if isinstance(trunk.ops, GuardedOps) else trunk.ops
+        return cls(ops_, trunk.config, trunk.embed.device, trunk.dtype)
+
+
+# A unit of work that runs a kernel: `with trial(unit): ...`. Inline it does nothing; in the trial process
+# it announces the unit before it runs and checks the device is still sound after (clef_cuda.serving.trial).
+Trial = Callable[[str], contextlib.AbstractContextManager]
+
+
+@contextlib.contextmanager
+def no_trial(unit: str) -> Iterator[None]:
+    yield
+
+
 # ---- candidates ---------------------------------------------------------------------------------
 AttentionImpl = Callable  # (query, key_cache, value_cache, batch: ChunkBatch) -> out
+# Test-only: a Python file whose attention_candidates(target) adds candidates (tests/trial_candidates.py: one
+# that kills the process it runs in), so the trial process's fail-safe is shown to work without a GPU.
+TEST_CANDIDATES_ENV = "CLEF_TEST_ATTENTION_CANDIDATES"
 
 
 def _ours(library, kernel: str) -> AttentionImpl:
     def run(query, key_cache, value_cache, batch: ChunkBatch):
         return library.paged_attention(
-            query, key_cache, value_cache, batch.cu_seqlens, batch.context_lens, batch.block_tables, kernel=kernel
+            query,
+            key_cache,
+            value_cache,
+            batch.cu_seqlens,
+            batch.context_lens,
+            batch.block_tables,
+            kernel=kernel,
+            max_query_len=max(batch.q_lens, default=0) or None,
         )
 
     return run
@@ -129,16 +182,38 @@ def _sdpa(backend: str) -> AttentionImpl:
     return run
 
 
-def attention_candidates(trunk: Trunk) -> dict[str, AttentionImpl]:
-    """Name -> implementation. Ours runs on the trunk's own op library (whatever it was built with)."""
-    library, device = trunk.ops, trunk.embed.device
-    candidates = {"ours": _ours(library, "auto")}
-    if device.type == "cuda":
-        forced = {"ours-wmma": "wmma", "ours-wmma2": "wmma2", "ours-simt": "simt"}
-        candidates |= {name: _ours(library, kernel) for name, kernel in forced.items()}
+FORCED_KERNELS = {"ours-simt": "simt", "ours-wmma": "wmma", "ours-wmma2": "wmma2"}
+
+
+def candidate_kernel(candidate: str) -> str:
+    """The kernel a candidate runs, as failures name it ("paged_attention:wmma2"; ours: "paged_attention:auto")."""
+    if candidate == "ours":
+        return "paged_attention:auto"
+    return f"paged_attention:{FORCED_KERNELS.get(candidate, candidate)}"
+
+
+def attention_candidates(target: TuneTarget | Trunk) -> dict[str, AttentionImpl]:
+    """Name -> implementation; the forced kernels first, so that a kernel which fails its trial is known
+    before ours (the dispatch rule) would pick it. Ours runs on the target's own op library."""
+    if isinstance(target, Trunk):
+        target = TuneTarget(target.ops, target.config, target.embed.device, target.dtype)
+    library = target.ops
+    candidates: dict[str, AttentionImpl] = {}
+    if target.device.type == "cuda":
+        candidates |= {name: _ours(library, kernel) for name, kernel in FORCED_KERNELS.items()}
+        candidates["ours"] = _ours(library, "auto")
         candidates |= {name: _sdpa(name) for name in SDPA_BACKENDS}
     else:
+        candidates["ours"] = _ours(library, "auto")
         candidates |= {name: _sdpa(name) for name in CPU_SDPA}
+    extra = os.environ.get(TEST_CANDIDATES_ENV)
+    if extra:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("clef_test_attention_candidates", extra)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        candidates |= module.attention_candidates(target)
     return candidates
 
 
@@ -160,6 +235,10 @@ class AutotuneReport:
     choices: dict[str, dict[str, str]] = field(default_factory=dict)  # op -> bucket -> candidate
     seconds: float = 0.0
     cached: bool = False
+    # "op:kernel" -> why it must never run here (crashed or hung its trial, left a CUDA error, could not
+    # launch, faulted while serving): GuardedOps routes around every one.
+    failures: dict[str, str] = field(default_factory=dict)
+    trials: str = "inline"  # where the kernels were first tried: "inline" or "child"
 
     def table(self) -> str:
         lines = [
@@ -169,6 +248,8 @@ class AutotuneReport:
         for r in self.rows:
             ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9s}"
             lines.append(f"{r.op:16s} {r.bucket:24s} {r.candidate:16s} {ms}  {r.status}")
+        for kernel, why in self.failures.items():
+            lines.append(f"FAILED KERNEL {kernel}: {why} (never run again on this device; its op runs the reference)")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -178,21 +259,26 @@ class AutotuneReport:
             "seconds": round(self.seconds, 3),
             "choices": self.choices,
             "rows": [asdict(r) for r in self.rows],
+            "failures": self.failures,
+            "trials": self.trials,
         }
 
     @classmethod
-    def from_json(cls, data: dict, key: dict) -> AutotuneReport:
-        report = cls(data["mode"], key, [Row(**r) for r in data["rows"]], data["choices"], data["seconds"], True)
-        return report
+    def from_json(cls, data: dict, key: dict, cached: bool = True) -> AutotuneReport:
+        rows = [Row(**r) for r in data["rows"]]
+        failures = dict(data.get("failures", {}))
+        return cls(
+            data["mode"], key, rows, data["choices"], data["seconds"], cached, failures, data.get("trials", "inline")
+        )
 
 
 class AttentionPolicy:
     """trunk.attention_choice: the candidate chosen for the batch's nearest bucket."""
 
     def __init__(self, buckets: list[Bucket], choices: dict[str, str], candidates: dict[str, AttentionImpl]):
-        self.buckets = [b for b in buckets if b.name in choices]
+        self.buckets = [b for b in buckets if choices.get(b.name) in candidates]
         self.impl = {b.name: candidates[choices[b.name]] for b in self.buckets}
-        self.fallback = candidates["ours"]
+        self.fallback = candidates["ours"]  # on a GuardedOps library: steered around any failed kernel
 
     def __call__(self, batch: ChunkBatch) -> AttentionImpl:
         if not self.buckets or not batch.q_lens:
@@ -243,8 +329,8 @@ class _AttentionCase:
     """A pack of sequences, (new tokens, context) each, their caches filled with random keys and values,
     every sequence's blocks scattered through the pool."""
 
-    def __init__(self, trunk: Trunk, shape: list[tuple[int, int]], block_size: int, generator) -> None:
-        c, device, dtype = trunk.config, trunk.embed.device, trunk.dtype
+    def __init__(self, target: TuneTarget, shape: list[tuple[int, int]], block_size: int, generator) -> None:
+        c, device, dtype = target.config, target.device, target.dtype
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         needed = [-(-context // block_size) for _, context in shape]
         order = torch.randperm(sum(needed), generator=generator).tolist()
@@ -262,8 +348,8 @@ class _AttentionCase:
         self.query = randn(sum(q for q, _ in shape), hq, d)
 
     @classmethod
-    def of(cls, trunk: Trunk, bucket: Bucket, block_size: int, generator) -> _AttentionCase:
-        return cls(trunk, [(bucket.q_len, bucket.context)] * bucket.records, block_size, generator)
+    def of(cls, target: TuneTarget, bucket: Bucket, block_size: int, generator) -> _AttentionCase:
+        return cls(target, [(bucket.q_len, bucket.context)] * bucket.records, block_size, generator)
 
     def run(self, impl: AttentionImpl) -> torch.Tensor:
         return impl(self.query, self.key_cache, self.value_cache, self.batch)
@@ -279,24 +365,39 @@ class _AttentionCase:
 VERIFICATION_PACK = [(24, 90), (17, 17), (1, 41)]
 
 
-def tune_attention(trunk: Trunk, buckets: list[Bucket], mode: str, block_size: int, report: AutotuneReport) -> None:
-    device, rtol = trunk.embed.device, OP_RTOL.get(trunk.dtype, OP_RTOL[torch.bfloat16])
+def tune_attention(
+    target: TuneTarget,
+    buckets: list[Bucket],
+    mode: str,
+    block_size: int,
+    report: AutotuneReport,
+    trial: Trial = no_trial,
+) -> None:
+    """Verify every candidate whose kernel has not failed (report.failures), then time the eligible ones per
+    bucket. Each run of a candidate is a trial unit named by its kernel (candidate_kernel)."""
+    device, rtol = target.device, OP_RTOL.get(target.dtype, OP_RTOL[torch.bfloat16])
     generator = torch.Generator().manual_seed(0)
-    candidates = attention_candidates(trunk)
+    candidates = {
+        name: impl
+        for name, impl in attention_candidates(target).items()
+        if candidate_kernel(name) not in report.failures
+    }
     eligible = {}
-    verify = _AttentionCase(trunk, VERIFICATION_PACK, block_size, generator)
+    verify = _AttentionCase(target, VERIFICATION_PACK, block_size, generator)
     expected = verify.reference()
     for name, impl in candidates.items():
         try:
-            if _close(verify.run(impl), expected, 2 * rtol):
+            with trial(candidate_kernel(name)):
+                out = verify.run(impl)
+            if _close(out, expected, 2 * rtol):
                 eligible[name] = impl
             else:
                 report.rows.append(Row("paged_attention", "verify", name, None, "failed its check: the reference"))
         except Exception as error:  # a backend this build or device lacks
             report.rows.append(Row("paged_attention", "verify", name, None, _raised(error)))
-    if "ours" not in eligible:  # the self-check said otherwise; keep ours and say so
-        report.rows.append(Row("paged_attention", "verify", "ours", None, "kept: the self-check proved it"))
-        eligible["ours"] = candidates["ours"]
+    if "ours" not in eligible:  # the self-check judges it next; the library steers around failed kernels
+        report.rows.append(Row("paged_attention", "verify", "ours", None, "kept: the self-check judges it"))
+        eligible["ours"] = candidates.get("ours") or attention_candidates(target)["ours"]
     started = time.monotonic()
     choices = report.choices.setdefault("paged_attention", {})
     for bucket in buckets:
@@ -305,17 +406,19 @@ def tune_attention(trunk: Trunk, buckets: list[Bucket], mode: str, block_size: i
             why = f"chosen untimed: past the {mode} budget ({BUDGET_SECONDS[mode]:.0f} s)"
             report.rows.append(Row("paged_attention", bucket.name, "ours", None, why))
             continue
-        case = _AttentionCase.of(trunk, bucket, block_size, generator)
-        ours = case.run(eligible["ours"])
+        case = _AttentionCase.of(target, bucket, block_size, generator)
+        with trial(candidate_kernel("ours")):
+            ours = case.run(eligible["ours"])
         timings: dict[str, float] = {}
         for name, impl in eligible.items():
             try:
-                if name != "ours" and not _close(case.run(impl), ours, 2 * rtol):
-                    report.rows.append(Row("paged_attention", bucket.name, name, None, "failed its check: ours"))
-                    continue
-                give_up = GIVE_UP_FACTOR * min(timings.values(), default=math.inf)
-                run = functools.partial(case.run, impl)
-                timings[name] = _median_ms(run, REPEATS[mode], device, name, give_up_ms=give_up)
+                with trial(candidate_kernel(name)):
+                    if name != "ours" and not _close(case.run(impl), ours, 2 * rtol):
+                        report.rows.append(Row("paged_attention", bucket.name, name, None, "failed its check: ours"))
+                        continue
+                    give_up = GIVE_UP_FACTOR * min(timings.values(), default=math.inf)
+                    run = functools.partial(case.run, impl)
+                    timings[name] = _median_ms(run, REPEATS[mode], device, name, give_up_ms=give_up)
             except Exception as error:
                 report.rows.append(Row("paged_attention", bucket.name, name, None, _raised(error)))
         chosen = min(timings, key=timings.get)
@@ -391,48 +494,121 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def _cache_file(directory: Path, key: dict) -> Path:
+def cache_file(directory: Path, key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return directory / f"autotune-{digest}.json"
 
 
-def autotune(trunk: Trunk, config, mode: str = "fast", cache_dir: str | Path | None = None) -> AutotuneReport | None:
-    """Tune `trunk` for an engine with `config` (EngineConfig), install the choices on it (trunk.attention_choice)
-    and return the report; None for mode "off". A cache file with the same key is used instead of timing."""
+def autotune(
+    trunk: Trunk, config, mode: str = "fast", cache_dir: str | Path | None = None, trials: str = "auto"
+) -> AutotuneReport | None:
+    """Tune `trunk` for an engine with `config` (EngineConfig), install the choices and the guarded op library
+    on it (trunk.attention_choice, trunk.ops) and return the report. A cache file with the same key is used
+    instead of tuning. `trials` says where never-run kernels are first tried (KERNEL_TRIALS; auto: in a child
+    process on a GPU, where even --autotune off tries every kernel there first). None: mode "off" inline."""
     if mode not in AUTOTUNE_MODES:
         raise ValueError(f"--autotune must be one of {', '.join(AUTOTUNE_MODES)}, got {mode!r}")
-    if mode == "off":
+    if trials not in KERNEL_TRIALS:
+        raise ValueError(f"--kernel-trials must be one of {', '.join(KERNEL_TRIALS)}, got {trials!r}")
+    in_child = trials == "child" or (trials == "auto" and trunk.embed.device.type == "cuda")
+    if mode == "off" and not in_child:
+        install(trunk, AutotuneReport(mode, {}), [])
         return None
-    buckets = attention_buckets(mode, config.max_num_seqs, config.prefill_chunk_size, config.max_model_len)
+    buckets = (
+        []
+        if mode == "off"
+        else attention_buckets(mode, config.max_num_seqs, config.prefill_chunk_size, config.max_model_len)
+    )
     key = cache_key(trunk, config, mode, buckets)
-    path = _cache_file(Path(cache_dir), key) if cache_dir else None
-    report = None
-    if path is not None and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key:
-                report = AutotuneReport.from_json(data["report"], key)
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            log.warning("autotune cache %s is unreadable (%s): tuning again", path, error)
+    path = cache_file(Path(cache_dir), key) if cache_dir else None
+    report = read_cached(path, key) if path is not None else None
     if report is None:
         started = time.monotonic()
-        report = AutotuneReport(mode, key)
-        with torch.inference_mode():
-            tune_attention(trunk, buckets, mode, config.block_size, report)
-            if trunk.quantized:
+        if in_child:
+            from clef_cuda.serving.trial import tune_in_trials
+
+            report = tune_in_trials(trunk, config, mode, buckets, key)
+        else:
+            report = AutotuneReport(mode, key)
+            with torch.inference_mode():
+                tune_attention(TuneTarget.of(trunk), buckets, mode, config.block_size, report)
+        if trunk.quantized and mode != "off":
+            with torch.inference_mode():
                 tune_int8_linear(trunk, config, mode, report)
         report.seconds = time.monotonic() - started
         if path is not None:
             _write(path, {"key": key, "report": report.to_json()})
-    install(trunk, report, buckets)
+    install(trunk, report, buckets, path)
+    if report.failures:
+        log.error(
+            "kernels that failed on this device and will not run: %s",
+            "; ".join(f"{kernel} ({why})" for kernel, why in report.failures.items()),
+        )
     return report
 
 
-def install(trunk: Trunk, report: AutotuneReport, buckets: list[Bucket]) -> None:
-    attention = report.choices.get("paged_attention", {})
-    trunk.attention_choice = AttentionPolicy(buckets, attention, attention_candidates(trunk))
+def read_cached(path: Path, key: dict) -> AutotuneReport | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return AutotuneReport.from_json(data["report"], key)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        log.warning("autotune cache %s is unreadable (%s): tuning again", path, error)
+    return None
+
+
+def install(trunk: Trunk, report: AutotuneReport, buckets: list[Bucket], cache_path: Path | None = None) -> None:
+    """The guarded op library (every failed kernel kept from running; a launch failure while serving added to
+    the report and its cache file) and the attention choices that do not run a failed kernel."""
+    base = trunk.ops.base if isinstance(trunk.ops, GuardedOps) else trunk.ops
+
+    def on_failure(kernel: str, why: str) -> None:
+        report.failures[kernel] = why
+        if cache_path is not None and report.key:
+            record_kernel_failure(cache_path, report.key, kernel, why)
+
+    trunk.ops = GuardedOps(base, report.failures, on_failure)
+    attention = {
+        bucket: candidate
+        for bucket, candidate in report.choices.get("paged_attention", {}).items()
+        if candidate_kernel(candidate) not in report.failures
+    }
+    trunk.attention_choice = AttentionPolicy(buckets, attention, attributed_candidates(trunk))
     int8 = report.choices.get("int8_linear", {})
     trunk.int8_matmul = "int8pack_mm" if int8.get("prefill") == "int8pack_mm" else "dequantize+gemm"
+
+
+def attributed_candidates(trunk: Trunk) -> dict[str, AttentionImpl]:
+    """The attention candidates on the trunk's guarded library, each naming its kernel as the last launch
+    before it runs, so that a fault inside torch's SDPA is pinned on that backend, not on our last kernel."""
+    guarded = trunk.ops
+
+    def attributed(impl: AttentionImpl, kernel: str) -> AttentionImpl:
+        def run(*args):
+            guarded.last_launch = kernel
+            return impl(*args)
+
+        return run
+
+    return {
+        name: impl if name.startswith("ours") else attributed(impl, candidate_kernel(name))
+        for name, impl in attention_candidates(trunk).items()
+    }
+
+
+def record_kernel_failure(path: Path, key: dict, kernel: str, why: str) -> None:
+    """Add a failed kernel to the cache file of `key` (created if missing), so the next start with this key
+    skips it. Never raises: it runs on the way out of a process whose GPU just faulted."""
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else None
+        if not data or data.get("key") != key:
+            data = {"key": key, "report": AutotuneReport(key.get("mode", "fast"), key).to_json()}
+        data["report"].setdefault("failures", {})[kernel] = why
+        _write(path, data)
+    except Exception as error:  # the log line is all that can be done
+        log.error("could not record the failed kernel %s in %s: %s", kernel, path, error)
 
 
 def _write(path: Path, data: dict) -> None:

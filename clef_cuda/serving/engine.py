@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.request.images import PreparedImage
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
+from clef_cuda.serving.guarded_ops import KernelFault, cuda_error_kind, first_line
 from clef_cuda.serving.plan import CachePlan, plan_cache
 from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
 from clef_cuda.serving.shadow import ShadowConfig, ShadowSample, ShadowVerifier
@@ -210,6 +212,10 @@ class Engine:
         self.selfcheck_report: SelfCheckReport | None = None  # the last timed run's (None: none yet)
         self.selfcheck_failure: str | None = None
         self._next_selfcheck: float | None = None
+        # A sticky CUDA error (clef_cuda.serving.guarded_ops): the device is unusable for the rest of this
+        # process. The server's handler records the kernel and exits; without one the engine refuses work.
+        self.kernel_fault: KernelFault | None = None
+        self.on_kernel_fault: Callable[[KernelFault], None] | None = None
 
     # ---- submission (any thread) ------------------------------------------------------------------
     def encode(self, request: dict[str, Any], images: list[bytes] = ()) -> tuple[EncodedRecord, list[PreparedImage]]:
@@ -259,6 +265,8 @@ class Engine:
         with self._lock:
             if not self._accepting or len(self._queue) >= self.config.max_queue:
                 self._release(adapter)
+            if self.kernel_fault is not None:
+                raise EngineStoppedError(f"the GPU faulted ({self.kernel_fault}); the server must restart")
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down")
             if len(self._queue) >= self.config.max_queue:
@@ -384,9 +392,36 @@ class Engine:
                     with self._lock:  # queued work that cannot be admitted yet: wait for a change
                         self._lock.wait(timeout=0.05)
             except Exception as error:  # a server fault (e.g. an f16 overflow): fail the pack, keep serving
+                fault = self._kernel_fault(error)
                 log.exception("engine step failed")
                 for seq in list(self._running):
                     self._finish(seq, error=error)
+                if fault is not None:  # nothing can run on the device again: fail what waits, and stop
+                    with self._lock:
+                        waiting, self._queue = list(self._queue), deque()
+                        self._accepting = False
+                    for ticket, _ in waiting:
+                        self._release(ticket.adapter)
+                        self._settle(ticket, error=error)
+                    return
+
+    def _kernel_fault(self, error: BaseException) -> KernelFault | None:
+        """The KernelFault `error` is (a sticky CUDA error that surfaced outside our ops is pinned on the last of
+        our kernels launched), handed to on_kernel_fault once; None for any other error."""
+        fault = error if isinstance(error, KernelFault) else None
+        if fault is None and cuda_error_kind(error) == "sticky":
+            ops = self.decider.trunk.ops
+            suspect = getattr(ops, "last_launch", None) or "unknown:unknown"
+            fault = KernelFault(suspect, first_line(error), surfaced_in="torch")
+        if fault is None:
+            return None
+        with self._lock:
+            first = self.kernel_fault is None
+            if first:
+                self.kernel_fault = fault
+        if first and self.on_kernel_fault is not None:
+            self.on_kernel_fault(fault)
+        return fault
 
     # ---- the idle lane (engine thread) ----------------------------------------------------------------
     def _selfcheck_due(self) -> bool:
@@ -406,7 +441,8 @@ class Engine:
             return
         try:
             self.shadow.step(self.decider)
-        except Exception:  # the reference run itself failed: not a verdict on the kernels; drop it
+        except Exception as error:  # the reference run itself failed: not a verdict on the kernels; drop it
+            self._kernel_fault(error)
             log.exception("a shadow run failed")
             self.shadow.drop_in_progress()
 
@@ -666,6 +702,7 @@ class Engine:
             with torch.inference_mode():
                 body, probabilities = self._answer(seq)
         except Exception as error:  # a server fault: the request fails, the server goes on
+            self._kernel_fault(error)
             log.exception("answering a record failed")
             self.failed += 1
             self._settle(seq.ticket, error=error)

@@ -148,7 +148,7 @@ class SelfCheckReport:
 def run_selfcheck(trunk: Trunk, *, block_size: int = 16, seed: int = 0) -> SelfCheckReport:
     """Every fast op `trunk` runs, and one real layer of each kind, against clef_cuda.reference on the
     trunk's device and dtype at its config's shapes. `block_size` is the serving KV block size."""
-    check = _SelfCheck(trunk, block_size, seed)
+    check = _SelfCheck.of(trunk, block_size, seed)
     started = time.perf_counter()
     results: list[Check] = []
     with torch.inference_mode(), _exact_fp32():
@@ -191,12 +191,37 @@ def _scale(expected: Tensor) -> float:
     return float(expected.float().nan_to_num(0.0).abs().max()) if expected.numel() else 0.0
 
 
+def op_trial_units(target, block_size: int, quantized: bool, seed: int = 0) -> list[tuple[str, Callable[[], list]]]:
+    """The self-check's op checks one kernel at a time, named as failures name kernels ("rms_norm_rope:cuda"),
+    on `target` (clef_cuda.serving.autotune.TuneTarget: an op library, config, device, dtype; no weights):
+    what a kernel trial process runs before the server does (clef_cuda.serving.trial). paged_attention's
+    kernels are the autotune's to try."""
+    check = _SelfCheck(target.ops, target.config, target.dtype, target.device, block_size, seed)
+    where = "cuda" if target.device.type == "cuda" else "cpu"
+    units = [
+        ("causal_conv1d_fwd", check.conv_fwd),
+        ("causal_conv1d_update", check.conv_update),
+        ("gated_delta_rule_chunk", check.gdr_chunk),
+        ("gated_delta_rule_recurrent", check.gdr_recurrent),
+        ("reshape_and_cache", lambda: [check.cache_write()[0]]),
+        *check.glue_ops(),
+    ]
+    if quantized:
+        units.append(("dequantize_int8", check.dequantize))
+    return [(f"{op}:{where}", run) for op, run in units]
+
+
 class _SelfCheck:
-    def __init__(self, trunk: Trunk, block_size: int, seed: int) -> None:
-        self.trunk, self.ops, self.config = trunk, trunk.ops, trunk.config
-        self.dtype, self.device, self.block_size = trunk.dtype, trunk.embed.device, block_size
+    def __init__(self, ops_, config, dtype, device, block_size: int, seed: int, trunk: Trunk | None = None) -> None:
+        self.trunk, self.ops, self.config = trunk, ops_, config
+        self.dtype, self.device, self.block_size = dtype, device, block_size
         self.rtol = OP_RTOL.get(self.dtype, OP_RTOL[torch.bfloat16])
         self.generator = torch.Generator().manual_seed(seed)
+
+    @classmethod
+    def of(cls, trunk: Trunk, block_size: int = 16, seed: int = 0) -> _SelfCheck:
+        """The checks of a loaded trunk: its op library, shapes, dtype and device, and its real layers."""
+        return cls(trunk.ops, trunk.config, trunk.dtype, trunk.embed.device, block_size, seed, trunk)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def groups(self) -> list[tuple[str, Callable[[], list[Check]]]]:
@@ -339,18 +364,12 @@ class _SelfCheck:
         ]
 
     # ---- paged KV cache ----------------------------------------------------------------------------
-    def paged_attention(self) -> list[Check]:
-        """Three sequences in one pack: a new chunk after a cached prefix, a fresh prefill, one decode
-        token; then the first and last again as a pack of one decode token each. Their blocks are
-        scattered through a pool whose other blocks (and the unused tails of partly filled ones) are NaN:
-        reading anything outside a context fails the check.
-
-        On a GPU the two packs reach both CUDA kernels, as serving does: the first averages at least 16
-        query rows (tokens x query heads per KV head) per sequence at clef-flash's GQA 4, so in f16 (bf16
-        from sm_80) at head dims 64/128/256 it runs the tensor-core kernel; the decode pack runs the SIMT
-        kernel, as a step of one-token final chunks does (ops.paged_attention_dispatch has the rule)."""
+    def cache_write(self) -> tuple[Check, dict]:
+        """reshape_and_cache of every position of the three sequences of paged_attention's pack into a
+        NaN pool with their blocks scattered (plus one token with slot -1, which must be skipped); exact.
+        Also returns the caches and tables the attention checks read."""
         c, bs = self.config, self.block_size
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        hkv, d = c.num_key_value_heads, c.head_dim
         contexts = (ATTENTION_PREFIX + ATTENTION_CHUNK, ATTENTION_FRESH, ATTENTION_DECODE_CONTEXT + 1)
         new_tokens = (ATTENTION_CHUNK, ATTENTION_FRESH, 1)
         needed = [-(-ctx // bs) for ctx in contexts]
@@ -378,12 +397,40 @@ class _SelfCheck:
         written = max(
             _max_abs_error(key_cache, expected_keys), _max_abs_error(value_cache, expected_values)
         )  # copies: exact
-        checks = [Check("reshape_and_cache", written, 0.0)]
+        check = Check("reshape_and_cache", written, 0.0)
+        return check, dict(
+            key_cache=key_cache,
+            value_cache=value_cache,
+            expected_keys=expected_keys,
+            expected_values=expected_values,
+            block_tables=block_tables,
+            contexts=contexts,
+            new_tokens=new_tokens,
+        )
+
+    def paged_attention(self) -> list[Check]:
+        """Three sequences in one pack: a new chunk after a cached prefix, a fresh prefill, one decode
+        token; then the first and last again as a pack of one decode token each. Their blocks are
+        scattered through a pool whose other blocks (and the unused tails of partly filled ones) are NaN:
+        reading anything outside a context fails the check.
+
+        On a GPU the two packs reach both CUDA kernels, as serving does: the first averages at least 16
+        query rows (tokens x query heads per KV head) per sequence at clef-flash's GQA 4, so in f16 (bf16
+        from sm_80) at head dims 64/128/256 it runs the tensor-core kernel; the decode pack runs the SIMT
+        kernel, as a step of one-token final chunks does (ops.paged_attention_dispatch has the rule)."""
+        written, cache = self.cache_write()
+        checks = [written]
+        key_cache, value_cache = cache["key_cache"], cache["value_cache"]
+        expected_keys, expected_values = cache["expected_keys"], cache["expected_values"]
+        block_tables, contexts, new_tokens = cache["block_tables"], cache["contexts"], cache["new_tokens"]
+        hq, d = self.config.num_attention_heads, self.config.head_dim
 
         query = self.randn(sum(new_tokens), hq, d)
         cu, lengths = self.cu_seqlens(new_tokens), self.ints(list(contexts))
         out = torch.full(query.shape, float("nan"), dtype=self.dtype, device=self.device)
-        self.ops.paged_attention(query, key_cache, value_cache, cu, lengths, block_tables, out=out)
+        self.ops.paged_attention(
+            query, key_cache, value_cache, cu, lengths, block_tables, out=out, max_query_len=max(new_tokens)
+        )
         expected = reference.paged_attention(query, expected_keys, expected_values, cu, lengths, block_tables)
         start = 0
         for case, count in zip(("prefix+chunk", "prefill", "decode"), new_tokens, strict=True):
@@ -395,7 +442,7 @@ class _SelfCheck:
         decode_query = query[[ATTENTION_CHUNK - 1, sum(new_tokens) - 1]]
         decode_args = (self.cu_seqlens([1, 1]), lengths[[0, 2]], block_tables[[0, 2]])
         out = torch.full(decode_query.shape, float("nan"), dtype=self.dtype, device=self.device)
-        self.ops.paged_attention(decode_query, key_cache, value_cache, *decode_args, out=out)
+        self.ops.paged_attention(decode_query, key_cache, value_cache, *decode_args, out=out, max_query_len=1)
         expected = reference.paged_attention(decode_query, expected_keys, expected_values, *decode_args)
         checks.append(self.compare("paged_attention.decode_pack", out, expected, self.rtol))
         return checks
@@ -404,47 +451,79 @@ class _SelfCheck:
     def glue(self) -> list[Check]:
         """Each glue op on a pack of PACK_LENGTHS tokens at the model's shapes, into NaN-poisoned outputs, next
         to its reference; add_rms_norm's residual update is compared too."""
+        return [check for _, run in self.glue_ops() for check in run()]
+
+    def glue_ops(self) -> list[tuple[str, Callable[[], list[Check]]]]:
+        """(op, its checks) for each glue op, so a kernel trial can run them one at a time."""
+        return [
+            ("add_rms_norm", self.glue_add_rms_norm),
+            ("silu_mul", self.glue_silu_mul),
+            ("gated_rms_norm", self.glue_gated_rms_norm),
+            ("rms_norm_rope", self.glue_rms_norm_rope),
+            ("sigmoid_gate", self.glue_sigmoid_gate),
+        ]
+
+    def nan(self, *shape: int) -> Tensor:
+        return torch.full(shape, float("nan"), dtype=self.dtype, device=self.device)
+
+    def glue_add_rms_norm(self) -> list[Check]:
         c, n, eps = self.config, sum(PACK_LENGTHS), self.config.rms_norm_eps
-        hq, d, hv, dv = c.num_attention_heads, c.head_dim, c.linear_num_value_heads, c.linear_value_head_dim
-
-        def nan(*shape: int) -> Tensor:
-            return torch.full(shape, float("nan"), dtype=self.dtype, device=self.device)
-
-        checks = []
         x = self.randn(n, c.hidden_size, dtype=torch.float32, scale=3.0)
         x_ref, delta, scale = x.clone(), self.randn(n, c.hidden_size), 1.0 + self.randn(c.hidden_size, scale=0.2)
-        out = self.ops.add_rms_norm(x, delta, scale.float(), eps, out=nan(n, c.hidden_size))
+        out = self.ops.add_rms_norm(x, delta, scale.float(), eps, out=self.nan(n, c.hidden_size))
         expected = reference.add_rms_norm(x_ref, delta, scale.float(), eps)
-        checks.append(self.compare("glue.add_rms_norm", out, expected, self.rtol))
-        checks.append(self.compare("glue.add_rms_norm.residual", x, x_ref, OP_RTOL[torch.float32]))
+        return [
+            self.compare("glue.add_rms_norm", out, expected, self.rtol),
+            self.compare("glue.add_rms_norm.residual", x, x_ref, OP_RTOL[torch.float32]),
+        ]
+
+    def glue_silu_mul(self) -> list[Check]:
+        c, n = self.config, sum(PACK_LENGTHS)
         gate_up = self.randn(n, 2 * c.intermediate_size, scale=3.0)
-        out = self.ops.silu_mul(gate_up, out=nan(n, c.intermediate_size))
-        checks.append(self.compare("glue.silu_mul", out, reference.silu_mul(gate_up), self.rtol))
+        out = self.ops.silu_mul(gate_up, out=self.nan(n, c.intermediate_size))
+        return [self.compare("glue.silu_mul", out, reference.silu_mul(gate_up), self.rtol)]
+
+    def glue_gated_rms_norm(self) -> list[Check]:
+        c, n, eps = self.config, sum(PACK_LENGTHS), self.config.rms_norm_eps
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         core, z = self.randn(n, hv, dv), self.randn(n, hv * dv + 3)[:, 3:]  # z: a strided slice, as in_proj's
         weight = 1.0 + self.randn(dv, dtype=torch.float32, scale=0.2)
-        out = self.ops.gated_rms_norm(core, z, weight, eps, out=nan(n, hv * dv))
-        checks.append(
-            self.compare("glue.gated_rms_norm", out, reference.gated_rms_norm(core, z, weight, eps), self.rtol)
-        )
-        query_gate = self.randn(n, hq, 2 * d)  # q and its gate interleaved per head, as the fused qkv GEMM writes
+        out = self.ops.gated_rms_norm(core, z, weight, eps, out=self.nan(n, hv * dv))
+        expected = reference.gated_rms_norm(core, z, weight, eps)
+        return [self.compare("glue.gated_rms_norm", out, expected, self.rtol)]
+
+    def query_gate(self) -> Tensor:
+        """q and its gate interleaved per head [N, Hq, 2 D], as the fused qkv GEMM writes them."""
+        c = self.config
+        return self.randn(sum(PACK_LENGTHS), c.num_attention_heads, 2 * c.head_dim)
+
+    def glue_rms_norm_rope(self) -> list[Check]:
+        c, n, eps, d = self.config, sum(PACK_LENGTHS), self.config.rms_norm_eps, self.config.head_dim
+        query_gate = self.query_gate()
         positions = torch.randint(0, 16384, (n, c.rotary_dim // 2), generator=self.generator).float()
         angles = positions * (1.0 / (c.rope_theta ** (torch.arange(c.rotary_dim // 2) * 2 / c.rotary_dim)))
         cos, sin = angles.cos().to(self.device), angles.sin().to(self.device)
         q_scale = 1.0 + self.randn(d, dtype=torch.float32, scale=0.2)
-        out = self.ops.rms_norm_rope(query_gate[..., :d], q_scale, cos, sin, eps, out=nan(n, hq, d))
+        out = self.ops.rms_norm_rope(
+            query_gate[..., :d], q_scale, cos, sin, eps, out=self.nan(n, c.num_attention_heads, d)
+        )
         expected = reference.rms_norm_rope(query_gate[..., :d], q_scale, cos, sin, eps)
-        checks.append(self.compare("glue.rms_norm_rope", out, expected, self.rtol))
-        attn = self.randn(n, hq, d)
-        out = self.ops.sigmoid_gate(attn, query_gate[..., d:], out=nan(n, hq * d))
+        return [self.compare("glue.rms_norm_rope", out, expected, self.rtol)]
+
+    def glue_sigmoid_gate(self) -> list[Check]:
+        c, n, d = self.config, sum(PACK_LENGTHS), self.config.head_dim
+        query_gate, attn = self.query_gate(), self.randn(n, c.num_attention_heads, d)
+        out = self.ops.sigmoid_gate(attn, query_gate[..., d:], out=self.nan(n, c.num_attention_heads * d))
         expected = reference.sigmoid_gate(attn, query_gate[..., d:])
-        checks.append(self.compare("glue.sigmoid_gate", out, expected, self.rtol))
-        return checks
+        return [self.compare("glue.sigmoid_gate", out, expected, self.rtol)]
 
     # ---- int8 weights ------------------------------------------------------------------------------
     def dequantize(self) -> list[Check]:
         """dequantize_int8 on a real int8 weight (the first layer's output projection, whole) and on rows
         of the int8 embedding table, into NaN-poisoned outputs; exact (one fp32 multiply, rounded once, on
         both sides). The layer checks below then run real int8 layers through the ops and the references."""
+        if self.trunk is None:
+            return self.dequantize_random()
         layer = self.trunk.layers[0]
         name, weight = (
             ("out_proj", layer.mixer.out_proj) if hasattr(layer.mixer, "out_proj") else ("o_proj", layer.mixer.o_proj)
@@ -462,6 +541,17 @@ class _SelfCheck:
                 self.compare("dequantize_int8.embed_rows", embed.rows(rows, self.ops), embed.rows(rows, reference), 0.0)
             )
         return checks
+
+    def dequantize_random(self) -> list[Check]:
+        """dequantize_int8 at an out_proj's shape on random int8 values and scales (a kernel trial has no
+        weights)."""
+        c = self.config
+        qweight = torch.randint(-127, 128, (c.hidden_size, c.value_dim), dtype=torch.int8, generator=self.generator)
+        qweight, scale = qweight.to(self.device), self.randn(c.hidden_size, dtype=torch.float32).abs().add(1e-3)
+        out = torch.full(qweight.shape, float("nan"), dtype=self.dtype, device=self.device)
+        self.ops.dequantize_int8(qweight, scale, out=out)
+        expected = reference.dequantize_int8(qweight, scale, dtype=self.dtype)
+        return [self.compare("dequantize_int8.random", out, expected, 0.0)]
 
     # ---- real layers ---------------------------------------------------------------------------------
     def layer_check(self, name: str, layer_index: int) -> list[Check]:

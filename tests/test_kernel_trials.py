@@ -1,0 +1,266 @@
+"""A kernel that faults must never take the server down (clef_cuda.serving.trial, guarded_ops): every kernel
+first runs in a trial process, and one that crashes, hangs or leaves a sticky CUDA error there is recorded as
+failed, never run by the server, and its op answered by the reference; a fault that still reaches the serving
+process is named by kernel, recorded, and the process exits so its supervisor restarts it without that kernel.
+
+No GPU here: the trial process runs on the CPU (--kernel-trials child), with test-only candidates that fail the
+ways a never-run GPU kernel can (tests/trial_candidates.py), and a test-only op that raises the error a sticky
+CUDA fault raises (tests/faulty_clef_serve.py). A server that ran any of them in its own process would die."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import cuda_available
+from live import clef_serve_process, wait_until
+from parity import PARITY_BOUND, assert_answers_match, reference_response
+from random_requests import random_request
+from releases import reference_model, tiny_release
+
+from clef_cuda import Decider, reference
+from clef_cuda.serving import autotune as tuning
+from clef_cuda.serving import trial
+from clef_cuda.serving.engine import EngineConfig
+from clef_cuda.serving.guarded_ops import GUARDED_OPS, GuardedOps, KernelFault, cuda_error_kind
+
+ROOT = Path(__file__).resolve().parents[1]
+CANDIDATES = str(ROOT / "tests" / "trial_candidates.py")
+CONFIG = EngineConfig(max_model_len=4096, kv_fraction=0.05, prefill_chunk_size=256, max_num_seqs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Decider.from_release(tiny_release(), device="cpu", progress=False)
+
+
+def test_cuda_errors_are_told_apart():
+    assert cuda_error_kind(RuntimeError("CUDA error: an illegal memory access was encountered")) == "sticky"
+    assert cuda_error_kind(RuntimeError("CUDA error: misaligned address\nCUDA kernel errors ...")) == "sticky"
+    assert cuda_error_kind(RuntimeError("paged_attention: CUDA launch failed: unspecified launch failure")) == "sticky"
+    assert cuda_error_kind(RuntimeError("no kernel image is available for execution on the device")) == "launch"
+    assert (
+        cuda_error_kind(RuntimeError("glue: CUDA launch failed: too many resources requested for launch")) == "launch"
+    )
+    assert cuda_error_kind(ValueError("paged_attention: query must be [num_tokens, ...]")) is None
+    assert cuda_error_kind(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) is None
+
+
+def test_every_failed_kernel_runs_the_reference_and_answers_stay_right(tiny):
+    """With every op's kernel failed, the trunk runs clef_cuda.reference throughout: the answers equal the
+    plain-ops trunk's within the parity bound (both are fp32 references of the same math)."""
+    requests = [random_request(random.Random(seed), state_words=(40, 200)) for seed in range(3)]
+    before = [tiny.probabilities(tiny.encode(r)) for r in requests]
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            def run(*args, **kwargs):
+                calls.append(name)
+                return getattr(reference, name)(*args, **kwargs)
+
+            return run
+
+    failed = {f"{op}:cpu": "test" for op in GUARDED_OPS} | {"paged_attention:cpu": "test"}
+    base = tiny.trunk.ops
+    tiny.trunk.ops = GuardedOps(base, failed, fallback=Counting())
+    try:
+        after = [tiny.probabilities(tiny.encode(r)) for r in requests]
+    finally:
+        tiny.trunk.ops = base
+    assert {"paged_attention", "rms_norm_rope", "causal_conv1d_fwd", "gated_delta_rule_chunk", "add_rms_norm"} <= set(
+        calls
+    )
+    pairs = zip(before, after, strict=True)
+    worst = max(abs(a - b) for x, y in pairs for p, q in zip(x, y, strict=True) for a, b in zip(p, q, strict=True))
+    assert worst < PARITY_BOUND, worst
+
+
+def test_a_launch_error_fails_the_kernel_once_and_reruns_the_call_on_the_reference():
+    seen = []
+
+    class NoImage:
+        def silu_mul(self, *args, **kwargs):
+            raise RuntimeError("silu_mul: CUDA launch failed: no kernel image is available for execution on the device")
+
+    ops_ = GuardedOps(NoImage(), on_failure=lambda kernel, why: seen.append((kernel, why)))
+    gate_up = torch.randn(3, 8)
+    assert torch.equal(ops_.silu_mul(gate_up), reference.silu_mul(gate_up))
+    assert torch.equal(ops_.silu_mul(gate_up), reference.silu_mul(gate_up))  # routed now: no second failure
+    assert seen == [
+        (
+            "silu_mul:cpu",
+            "could not launch: silu_mul: CUDA launch failed: no kernel image is available for execution on the device",
+        )
+    ]
+
+
+def test_a_sticky_error_is_a_kernel_fault_naming_the_kernel():
+    class Poisoned:
+        def rms_norm_rope(self, *args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(KernelFault, match=r"CUDA fault in rms_norm_rope \(kernel cpu\): CUDA error: an illegal"):
+        GuardedOps(Poisoned()).rms_norm_rope(
+            torch.randn(2, 1, 8), torch.ones(8), torch.ones(2, 2), torch.ones(2, 2), 1e-6
+        )
+
+
+def test_the_trials_record_a_crash_a_sticky_error_and_a_hang(tiny, monkeypatch):
+    """Three never-run candidates in the trial processes: one kills its process (SIGSEGV), one leaves a sticky
+    CUDA error, one never returns. Each is recorded as failed, with what happened, and never chosen; the
+    others are tuned as usual, and the same trial run on healthy kernels reports no failure."""
+    monkeypatch.setenv(tuning.TEST_CANDIDATES_ENV, CANDIDATES)
+    monkeypatch.setenv("CLEF_TEST_CANDIDATE_SET", "crash,sticky,hang")
+    monkeypatch.setattr(trial, "UNIT_TIMEOUT_S", 15.0)
+    buckets = tuning.attention_buckets("fast", CONFIG.max_num_seqs, CONFIG.prefill_chunk_size, CONFIG.max_model_len)
+    report = trial.tune_in_trials(tiny.trunk, CONFIG, "fast", buckets, {"test": 1})
+    assert report.trials == "child"
+    assert report.failures["paged_attention:test-crash"].startswith("crashed its trial process (killed by SIGSEGV)")
+    assert report.failures["paged_attention:test-sticky"] == (
+        "left a CUDA error: CUDA error: an illegal memory access was encountered"
+    )
+    assert report.failures["paged_attention:test-hang"] == "hung its trial process (no answer in 15 s)"
+    assert len(report.failures) == 3, report.failures
+    chosen = set(report.choices["paged_attention"].values())
+    assert chosen and not chosen & {"test-crash", "test-sticky", "test-hang"}
+    assert {r.candidate for r in report.rows if r.ms is not None} >= {"ours", "sdpa-flash"}
+
+    monkeypatch.delenv(tuning.TEST_CANDIDATES_ENV)
+    healthy = trial.tune_in_trials(tiny.trunk, CONFIG, "fast", buckets, {"test": 2})
+    assert healthy.failures == {} and healthy.choices["paged_attention"]
+
+
+def test_a_trial_process_that_cannot_start_fails_every_kernel_it_did_not_see_pass(tiny, monkeypatch):
+    """If no trial process gets through (here: it dies before its first unit), nothing untried may run: every
+    kernel is failed and the trunk runs the reference ops."""
+    monkeypatch.setattr(trial.sys, "executable", "/bin/false")
+    report = trial.tune_in_trials(tiny.trunk, CONFIG, "off", [], {"test": 3})
+    expected = {f"{op}:cpu" for op in GUARDED_OPS} | {"paged_attention:cpu"}
+    assert set(report.failures) == expected
+    assert all(
+        why.startswith("untried: the trial process failed (crashed its trial process (exit 1)")
+        for why in report.failures.values()
+    )
+
+
+def test_a_server_comes_up_serving_right_around_a_kernel_that_kills_its_trial(tmp_path):
+    """The issue's test: clef-serve with a test-only attention candidate that kills the process it runs in (and
+    one that leaves a sticky error). The server starts, serves, its answers equal the reference, /ready lists
+    the failures, and its autotune cache names the candidates as failed, so a restart does not try them again."""
+    release = tiny_release()
+    cache = tmp_path / "autotune"
+    env = {tuning.TEST_CANDIDATES_ENV: CANDIDATES, "CLEF_TEST_CANDIDATE_SET": "crash,sticky"}
+    args = (
+        "--w",
+        str(release),
+        "--d",
+        "cpu",
+        "--kernel-trials",
+        "child",
+        "--autotune-cache",
+        str(cache),
+        "--max-model-len",
+        "4096",
+        "--kv-fraction",
+        "0.05",
+    )
+    requests = [
+        random_request(random.Random(seed), state_words=(40, 300), null_score_levels=False) for seed in range(3)
+    ]
+    expected = [reference_response(reference_model(release), r) for r in requests]
+    with clef_serve_process(*args, env=env, ready_timeout=600) as (url, _, output):
+        ready = httpx.get(url + "/ready").json()
+        failed_metric = {
+            line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("clef_kernel_failed{")
+        }
+        for request, (want, unrounded) in zip(requests, expected, strict=True):
+            got = httpx.post(url + "/v1/systemone", json=request, timeout=60)
+            assert got.status_code == 200, got.text
+            assert_answers_match(got.json()["answers"], want["answers"], unrounded)
+    failures = ready["autotune"]["failures"]
+    assert failures["paged_attention:test-crash"].startswith("crashed its trial process (killed by SIGSEGV)")
+    assert failures["paged_attention:test-sticky"].startswith("left a CUDA error")
+    assert ready["autotune"]["trials"] == "child" and ready["selfcheck"]["passed"]
+    assert failed_metric == {
+        'clef_kernel_failed{kernel="paged_attention:test-crash"} 1.0',
+        'clef_kernel_failed{kernel="paged_attention:test-sticky"} 1.0',
+    }
+    (path,) = cache.glob("autotune-*.json")
+    cached = json.loads(path.read_text())["report"]
+    assert set(cached["failures"]) == {"paged_attention:test-crash", "paged_attention:test-sticky"}
+    assert any("FAILED KERNEL paged_attention:test-crash" in line for line in output)
+
+
+def test_a_sticky_fault_while_serving_exits_naming_the_kernel_and_the_restart_runs_without_it(tmp_path):
+    """A fault the trials could not see (tests/faulty_clef_serve.py: rms_norm_rope raises a sticky CUDA error once
+    the test arms it, after start-up): the request gets a 503, the process
+    exits with EXIT_KERNEL_FAULT after one line naming the op and kernel, the autotune cache records it, and
+    the next start serves the same request right, rms_norm_rope on the reference."""
+    from app.server import EXIT_KERNEL_FAULT
+
+    release = tiny_release()
+    cache = tmp_path / "autotune"
+    armed = tmp_path / "armed"
+    env = {"CLEF_TEST_FAULT": "sticky_rope_when_armed", "CLEF_TEST_FAULT_ARMED": str(armed)}
+    args = (
+        "--w",
+        str(release),
+        "--d",
+        "cpu",
+        "--autotune-cache",
+        str(cache),
+        "--max-model-len",
+        "4096",
+        "--kv-fraction",
+        "0.05",
+    )
+    request = random_request(random.Random(7), state_words=(40, 200), null_score_levels=False)
+    want, unrounded = reference_response(reference_model(release), request)
+    with clef_serve_process(*args, env=env, faulty=True) as (url, process, output):
+        armed.touch()
+        response = httpx.post(url + "/v1/systemone", json=request, timeout=60)
+        assert response.status_code == 503, response.text
+        assert "CUDA fault in rms_norm_rope (kernel cpu)" in response.json()["detail"]["message"]
+        wait_until(lambda: process.poll() is not None, "clef-serve to exit after the fault")
+        assert process.returncode == EXIT_KERNEL_FAULT
+    fault_lines = [line for line in output if "CUDA fault in rms_norm_rope (kernel cpu)" in line and "exiting" in line]
+    assert len(fault_lines) == 1 and "recorded as failed in the autotune cache" in fault_lines[0], output[-20:]
+    (path,) = cache.glob("autotune-*.json")
+    assert "rms_norm_rope:cpu" in json.loads(path.read_text())["report"]["failures"]
+    with clef_serve_process(*args, env=env, faulty=True) as (url, _, output):
+        response = httpx.post(url + "/v1/systemone", json=request, timeout=60)
+        assert response.status_code == 200, response.text
+        assert_answers_match(response.json()["answers"], want["answers"], unrounded)
+        assert "rms_norm_rope:cpu" in httpx.get(url + "/ready").json()["autotune"]["failures"]
+
+
+README_EXAMPLE = {
+    "model": "clef-tiny",
+    "state": "09:12:01 INFO api: request served\n09:12:04 ERROR db: connection refused\n"
+    "09:12:09 WARN cache: high latency\n09:12:15 ERROR queue: write failed",
+    "questions": {
+        "last_failure": {
+            "type": "choice",
+            "instructions": "Which component logged the latest ERROR?",
+            "criteria": {"db": None, "api": None, "cache": None, "queue": None, "auth": None},
+        }
+    },
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="needs a GPU and the CUDA build")
+def test_the_server_starts_on_the_gpu_after_its_kernel_trials(tmp_path):
+    """On a real GPU with no cache entry: every kernel is tried in a child process first, none fails, the
+    self-check passes, and the embedded model answers the README example as on the CPU."""
+    with clef_serve_process("--d", "0", "--autotune-cache", str(tmp_path), ready_timeout=600) as (url, _, _):
+        ready = httpx.get(url + "/ready").json()
+        answer = httpx.post(url + "/v1/systemone", json=README_EXAMPLE, timeout=60)
+    assert ready["autotune"]["trials"] == "child" and ready["autotune"]["failures"] == {}, ready["autotune"]
+    assert ready["selfcheck"]["passed"], ready["selfcheck"]
+    assert answer.status_code == 200 and answer.json()["answers"]["last_failure"]["choice"] == "queue"
