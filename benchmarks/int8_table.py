@@ -8,6 +8,7 @@ this device, and its projection for V100 and T4 from bytes and FLOPs. Prints the
     python benchmarks/int8_table.py                       # CPU, a 51M-parameter random release (f32 vs int8)
     python benchmarks/int8_table.py --release mid --repeats 5
     python benchmarks/int8_table.py --device cuda --dtype f16 --release 9b
+    python benchmarks/int8_table.py --device cuda --dtype float16 --layer-only --rows 64,256,1024,4096
 
 Memory is read from /proc/self/status: RssAnon (what the process allocated: weights, scratch) sampled every
 2 ms during the load for its peak, and after it; the release's own file pages (RssFile, mapped while
@@ -150,8 +151,8 @@ CARDS = [("V100", 900e9, 125e12, 0.8, 0.7), ("T4", 320e9, 65e12, 0.8, 0.5)]
 FLASH_LINEAR_WEIGHTS = 6.94e9  # trunk linear weights of clef-flash (clef_cuda.model.footprint, int8)
 
 
-def layer_overhead(device: str, dtype: str, repeats: int) -> dict[int, tuple[float, float]]:
-    """Seconds of the GEMM alone and of dequantize + GEMM for the down projection at 1,024 and 4,096 rows."""
+def layer_overhead(device: str, dtype: str, repeats: int, rows_list=(1024, 4096)) -> dict[int, tuple[float, float]]:
+    """Seconds of the GEMM alone and of dequantize + GEMM for the down projection at each of `rows_list`."""
     import torch
 
     from clef_cuda import ops
@@ -164,7 +165,7 @@ def layer_overhead(device: str, dtype: str, repeats: int) -> dict[int, tuple[flo
     q = quantize_int8(weight, dt)
     scratch = torch.empty_like(weight)
     out = {}
-    for rows in (1024, 4096):
+    for rows in rows_list:
         x = torch.randn(rows, 12288, device=device, dtype=dt)
 
         def dense(x=x):
@@ -189,6 +190,13 @@ def projection(rows: int) -> list[tuple[str, float, float, float]]:
     return result
 
 
+def print_layer(layer: dict[int, tuple[float, float]], device: str, dtype: str) -> None:
+    print(f"\none clef-flash-shaped layer (down_proj 4096 x 12288) on {device} in {dtype}, same run")
+    print(f"{'rows':>6s} {'GEMM ms':>9s} {'dequant+GEMM ms':>16s} {'overhead':>9s}")
+    for rows, (dense, int8) in layer.items():
+        print(f"{rows:>6d} {dense * 1e3:9.3f} {int8 * 1e3:16.3f} {int8 / dense - 1:8.1%}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--release", default="memory", help="memory (default), tiny, mid, 9b, or a directory")
@@ -196,16 +204,22 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", help="the serving dtype: float32, float16, bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--probe", nargs=4, metavar=("QUANTIZE", "PATH", "DEVICE", "DTYPE"), help=argparse.SUPPRESS)
+    parser.add_argument("--layer-only", action="store_true", help="only the clef-flash-shaped layer's table")
+    parser.add_argument("--rows", default="1024,4096", help="rows a step of the layer table (comma-separated)")
     args = parser.parse_args()
     if args.probe:
         print(json.dumps(probe(*args.probe)))
+        return 0
+    rows_list = tuple(int(r) for r in args.rows.split(","))
+    if args.layer_only:
+        print_layer(layer_overhead(args.device, args.dtype, args.repeats, rows_list), args.device, args.dtype)
         return 0
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.release) if Path(args.release).is_dir() else build(args.release, Path(tmp))
         loads = {q: fresh_probe(q, path, args.device, args.dtype) for q in ("none", "int8")}
         times = latencies(path, args.device, args.dtype, args.repeats)
-    layer = layer_overhead(args.device, args.dtype, args.repeats)
+    layer = layer_overhead(args.device, args.dtype, args.repeats, rows_list)
     mib = 2**20
     base = loads["none"]
     print(f"\nint8 weights vs {args.dtype} on {args.device} ({args.release}); memory above the process baseline")
@@ -228,10 +242,7 @@ def main() -> int:
         f"{times[('int8', 512)] / times[('none', 512)]:.2f} (512) {times[('int8', 2048)] / times[('none', 2048)]:.2f}"
         " (2048)"
     )
-    print(f"\none clef-flash-shaped layer (down_proj 4096 x 12288) on {args.device} in {args.dtype}, same run")
-    print(f"{'rows':>6s} {'GEMM ms':>9s} {'dequant+GEMM ms':>16s} {'overhead':>9s}")
-    for rows, (dense, int8) in layer.items():
-        print(f"{rows:>6d} {dense * 1e3:9.1f} {int8 * 1e3:16.1f} {int8 / dense - 1:8.1%}")
+    print_layer(layer, args.device, args.dtype)
     print("\nprojected per clef-flash step (6.94e9 int8 weights; 80% of bandwidth, 70% (V100) / 50% (T4) of peak)")
     print(f"{'card':6s} {'rows':>6s} {'dequant ms':>11s} {'GEMM ms':>9s} {'overhead':>9s}")
     for rows in (1024, 4096):

@@ -5,7 +5,10 @@ batched, chunked, from the prefix cache) against the same records re-decided on 
 of these times SHADOW_MARGIN. Table last.
 
     python benchmarks/shadow_tolerance.py --records 60
-    python benchmarks/shadow_tolerance.py --device cuda --dtypes f16,bf16
+    python benchmarks/shadow_tolerance.py --device cuda --dtypes f16,bf16 --gate
+
+--gate exits 1 when a healthy record differs by more than the serving dtype's tolerance (the tolerance was
+measured on the CPU; scripts/gpu_check.sh checks it holds on the GPU).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtypes", default="f32,f16,bf16")
     parser.add_argument("--records", type=int, default=60)
+    parser.add_argument("--gate", action="store_true", help="exit 1 if a healthy record exceeds the tolerance")
     args = parser.parse_args()
     from releases import mid_release, tiny_release
 
@@ -87,7 +91,10 @@ def main() -> int:
         worst = max(r[3] for r in rows if r[1] == dtype_name)
         margin = SHADOW_MARGIN * worst
         print(f"worst {dtype_name}: {worst:.2e}; x{SHADOW_MARGIN:g} = {margin:.2e}, floor {SHADOW_FLOOR:g}")
-    return 0
+    over = [r for r in rows if r[3] > SHADOW_TOLERANCE[DTYPES[r[1]]]]
+    for name, dtype_name, _, worst, _ in over:
+        print(f"OVER THE TOLERANCE: {name} {dtype_name} worst {worst:.2e} > {SHADOW_TOLERANCE[DTYPES[dtype_name]]:.2e}")
+    return 1 if args.gate and over else 0
 
 
 if __name__ == "__main__":

@@ -1,136 +1,157 @@
 #!/usr/bin/env bash
-# The GPU check: one command for a lent GPU machine (budget: under 8 minutes on an H200). Builds the
-# extension for the local arch; runs the op tests on the GPU first with CUDA_LAUNCH_BLOCKING=1 (a fault is
-# raised by the op that caused it) and then under compute-sanitizer (memcheck on the op tests, racecheck on
-# the tensor-core attention kernel's); runs the whole test suite (the CUDA backend joins every op test when
-# a GPU is present) and the on-device self-check in each dtype, with int8 weights, and at clef-flash's
-# shapes (gating: the tensor-core kernel at head dim 256); then times the ops ($OUT/gpu_table.md) and
-# the start-up autotune's table at clef-flash's shapes ($OUT/autotune.md), attention prefill, our WMMA
-# and SIMT kernels against SDPA's backends plus one trunk step split by op
-# ($OUT/attention_table.md) and at 16k with one record ($OUT/attention_16k.md, printed last), and runs one
-# Nsight Compute pass on the WMMA kernel when ncu exists ($OUT/ncu_wmma.txt).
+# The GPU check: one command for a lent GPU machine, in two stages, each with its own budget and verdict, so
+# that a 10-minute window always ends with a verdict and as many tables as fit.
 #
-# The device machine has no network. Prepare its Python packages here first (they travel with the tree):
-#   pip download -d .cache/wheelhouse --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -r scripts/gpu_check_requirements.txt
-#   pip install --no-deps --target .oracles/fla fla-core==0.6.0
-# then run, through the device tool, with carry [".cache/wheelhouse", ".oracles"]:
+#   1. The gate (GATE_BUDGET, default 300 s; under 5 minutes on an H200): build for the local arch only; every
+#      op test's CUDA cases (-m cuda: conv, delta rule, paged attention v1, v2 with forced splits and the
+#      combine, SIMT, the glue ops in place too, int8 dequantize; the server's start-up behind its kernel
+#      trials) with CUDA_LAUNCH_BLOCKING=1, so a fault is raised by the op that caused it; compute-sanitizer's
+#      memcheck, racecheck, synccheck and initcheck on every kernel once (scripts/gpu_sanitize_cases.py); the
+#      self-check at clef-flash's shapes in f16, bf16 (sm_80+) and with int8 weights; the shadow tolerance in
+#      f16 and bf16, gating. Each step has a time limit: one that runs out fails the gate ("TIMEOUT").
+#   2. The tables (until TOTAL_BUDGET, default 540 s, from the start): the ops; attention v1 / v2 / SIMT / SDPA
+#      at 2k and 16k of context with one trunk step split by op; int8 dequantize + GEMM against f16 at 64, 256,
+#      1,024 and 4,096 rows; the start-up autotune at clef-flash's shapes; then the whole suite while time
+#      remains. A table that does not fit the time left is skipped, saying so.
+#
+# Files under $OUT (at most 8): verdict.txt, gate.log, ops.md, attention.md, int8.md, autotune.md, suite.log.
+# The exit status is the gate's.
+#
+# The device machine has no network and its own Python (scripts/gpu_image_packages.txt lists what it has).
+# Prepare what it lacks here, as wheels that travel with the tree (the device tool's README, "Notes"):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl -r scripts/gpu_check_requirements.txt
+#   python3 -m pip download --no-deps -d .whl clef-finetune==0.1.0 && pip install --no-deps --target .oracles/fla fla-core==0.6.0
+# then run, through the device tool, with carry [".whl", ".oracles"]:
 #   bash scripts/gpu_check.sh
-# and commit the table to benchmarks/RESULTS.md with the date and device.
-set -euo pipefail
+# and commit the tables to benchmarks/RESULTS.md with the date and device.
+#
+#   bash scripts/gpu_check.sh --dry-run   (CI, no GPU: installs nothing; scripts/gpu_check_dry_run.py says what)
+set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ "${1:-}" = "--dry-run" ]; then  # in the development environment (it maps modules through its metadata)
+  bash -n "$0" || exit 1
+  [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
+  exec "$PY" scripts/gpu_check_dry_run.py
+fi
+
 OUT=${OUT:-.cache/gpu_check}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3}
+GATE_BUDGET=${GATE_BUDGET:-300}
+TOTAL_BUDGET=${TOTAL_BUDGET:-540}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 t0=$(date +%s)
-step() { echo; echo "=== $* ($(( $(date +%s) - t0 )) s)"; }
+elapsed() { echo $(( $(date +%s) - t0 )); }
+: > "$OUT/verdict.txt"
+: > "$OUT/gate.log"
+gate_failed=0
 
-step "python packages"
-if [ -d .cache/wheelhouse ]; then
-  $PY -m pip install -q --no-index --find-links .cache/wheelhouse -r scripts/gpu_check_requirements.txt
+# gate NAME SECONDS CMD...: one gate step, its output appended to gate.log, its verdict to verdict.txt.
+gate() {
+  local name=$1 limit=$2 started status
+  shift 2
+  started=$(date +%s)
+  echo "=== $name ($(elapsed) s)" | tee -a "$OUT/gate.log"
+  timeout "$limit" "$@" >> "$OUT/gate.log" 2>&1
+  status=$?
+  local took=$(( $(date +%s) - started ))
+  if [ "$status" = 0 ]; then
+    echo "PASS    $name (${took} s)" | tee -a "$OUT/verdict.txt"
+  elif [ "$status" = 124 ]; then
+    echo "TIMEOUT $name (over its ${limit} s)" | tee -a "$OUT/verdict.txt"
+    gate_failed=1
+  else
+    echo "FAIL    $name (exit $status, ${took} s; see gate.log)" | tee -a "$OUT/verdict.txt"
+    gate_failed=1
+  fi
+  tail -3 "$OUT/gate.log"
+}
+
+# table NAME SECONDS FILE CMD...: one stage-2 table into FILE, when the time left allows SECONDS.
+table() {
+  local name=$1 limit=$2 file=$3 left
+  shift 3
+  left=$(( TOTAL_BUDGET - $(elapsed) ))
+  if [ "$left" -lt "$limit" ]; then
+    echo "SKIPPED $name (${left} s left, it needs ${limit})" | tee -a "$OUT/verdict.txt"
+    return
+  fi
+  echo "=== $name ($(elapsed) s)"
+  if timeout "$limit" "$@" > "$OUT/$file" 2>&1; then
+    echo "TABLE   $name: $file" | tee -a "$OUT/verdict.txt"
+  else
+    echo "NOTABLE $name (exit $?; see $file)" | tee -a "$OUT/verdict.txt"
+  fi
+}
+
+# ---- stage 1: the gate ------------------------------------------------------------------------------
+if [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >> "$OUT/gate.log" 2>&1 || echo "WARNING: installing .whl failed (see gate.log)"
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-$PY -c "import torch, transformers, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-
-step "build for the local GPU"
-arch=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
+  | tee -a "$OUT/gate.log"
+arch=$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-CLEF_CUDA_BUILD=cuda TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=$(nproc) \
-  $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tee "$OUT/build.log" | grep -v Warning || true
-$PY -c "import clef_cuda; info = clef_cuda.build_info(); print(info); assert info['variant'] == 'cuda'"
 
-# The op tests' GPU cases (the simulator's run in the whole suite below).
-OP_TESTS="tests/test_paged_attention.py tests/test_conv1d.py tests/test_gated_delta_rule.py tests/test_key_band.py"
-step "op tests on the GPU, CUDA_LAUNCH_BLOCKING=1 (a kernel fault is raised by the op that caused it)"
-set +e
-CUDA_LAUNCH_BLOCKING=1 $PY -m pytest $OP_TESTS -q -p no:cacheprovider -k "cuda and not sim" 2>&1 \
-  | tee "$OUT/op_tests_blocking.log" | tail -5
-blocking_status=${PIPESTATUS[0]}
-set -e
+gate "build for sm_${arch/./} only" 240 env CLEF_CUDA_BUILD=cuda TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS="$(nproc)" \
+  "$PY" -m pip install --no-build-isolation --no-deps -e .
+"$PY" -c "import clef_cuda; print(clef_cuda.build_info())" | tee -a "$OUT/gate.log"
 
-step "compute-sanitizer: memcheck on the op tests, racecheck on the tensor-core attention kernel"
+# Every test's GPU case (the conftest marks a cuda-backend case `cuda`, as GPU-only tests are by hand).
+GATE_TESTS="tests/test_paged_attention.py tests/test_paged_attention_v2.py tests/test_glue.py tests/test_quantize.py \
+tests/test_conv1d.py tests/test_gated_delta_rule.py tests/test_key_band.py tests/test_kernel_trials.py"
+# shellcheck disable=SC2086
+gate "op tests on the GPU, CUDA_LAUNCH_BLOCKING=1" 150 env CUDA_LAUNCH_BLOCKING=1 \
+  "$PY" -m pytest $GATE_TESTS -q -p no:cacheprovider -m cuda
+
 sanitizer=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
-sanitizer_status=0
-if [ -x "$sanitizer" ]; then
-  set +e
-  # Without torch's caching allocator every tensor is its own allocation, so memcheck sees any read past one.
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 240 "$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
-    $PY -m pytest $OP_TESTS -q -p no:cacheprovider -k "cuda and not sim" 2>&1 | tee "$OUT/memcheck.log" | tail -5
-  memcheck_status=${PIPESTATUS[0]}
-  timeout 150 "$sanitizer" --tool racecheck --error-exitcode 3 --print-limit 20 \
-    $PY -m pytest tests/test_paged_attention.py -q -p no:cacheprovider \
-    -k "cuda and (wmma_custom_scale or wmma_chunked)" 2>&1 | tee "$OUT/racecheck.log" | tail -5
-  racecheck_status=${PIPESTATUS[0]}
-  set -e
-  [ "$memcheck_status" = 0 ] && [ "$racecheck_status" = 0 ] || sanitizer_status=1
-  echo "memcheck exit $memcheck_status, racecheck exit $racecheck_status (124: timed out)"
-else
-  echo "compute-sanitizer not found (looked on PATH and in $CUDA_HOME/bin): skipped"
-  sanitizer_status=skipped
-fi
-
-step "tests (cpu, simulated and real CUDA backends)"
-set +e
-$PY -m pytest tests -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
-tests_status=${PIPESTATUS[0]}
-set -e
-
-step "the on-device self-check on this GPU: the embedded model in each dtype and with int8 weights; then at clef-flash's shapes (the tensor-core attention at head dim 256)"
-selfcheck_status=0
-for dtype in f16 bf16 f32; do
-  $PY -m app --selfcheck-only --d 0 --dtype "$dtype" --log-level warning 2>&1 | tee -a "$OUT/selfcheck.log" | tail -1 \
-    || selfcheck_status=1
+for tool in memcheck racecheck synccheck initcheck; do
+  # Without torch's caching allocator every tensor is its own allocation, so memcheck sees a read past one.
+  gate "compute-sanitizer $tool, every kernel once" 90 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    "$sanitizer" --tool "$tool" --error-exitcode 3 --print-limit 20 "$PY" scripts/gpu_sanitize_cases.py
 done
-$PY -m app --selfcheck-only --d 0 --dtype f16 --quantize int8 --log-level warning 2>&1 | tee -a "$OUT/selfcheck.log" \
-  | tail -1 || selfcheck_status=1
-# Random weights at clef-flash's real shapes, one layer of each kind: clef-tiny's head dim 32 never reaches the
-# tensor-core kernel, these do. Gating: a failure here fails the check.
+
 flash_dtypes="f16"
-$PY -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() < (8, 0))" && flash_dtypes="f16 bf16"
+"$PY" -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() < (8, 0))" && flash_dtypes="f16 bf16"
 for dtype in $flash_dtypes; do
-  $PY benchmarks/selfcheck_cost.py --device cuda --dtype "$dtype" --only-flash 2>&1 | tail -8 \
-    | tee -a "$OUT/selfcheck.log" || selfcheck_status=1
+  gate "self-check at clef-flash's shapes, $dtype" 90 "$PY" benchmarks/selfcheck_cost.py --device cuda --dtype "$dtype" \
+    --only-flash
 done
-$PY benchmarks/selfcheck_cost.py --device cuda --dtype f16 --quantize int8 --only-flash 2>&1 | tail -8 \
-  | tee -a "$OUT/selfcheck.log" || selfcheck_status=1
+gate "self-check at clef-flash's shapes, f16 with int8 weights" 90 "$PY" benchmarks/selfcheck_cost.py --device cuda \
+  --dtype f16 --quantize int8 --only-flash
+gate "shadow tolerance on this GPU, f16 and bf16 (gating)" 150 "$PY" benchmarks/shadow_tolerance.py --device cuda \
+  --dtypes f16,bf16 --records 10 --gate
 
-step "shadow verification's healthy differences on this GPU (the tolerance is measured on the CPU so far)"
-$PY benchmarks/shadow_tolerance.py --device cuda --dtypes f16,bf16 --records 20 2>&1 | tail -12 \
-  | tee "$OUT/shadow_tolerance.txt" || true
+if [ "$gate_failed" = 0 ]; then gate_verdict="PASSED"; else gate_verdict="FAILED"; fi
+if [ "$(elapsed)" -gt "$GATE_BUDGET" ]; then gate_verdict="$gate_verdict (over its ${GATE_BUDGET} s budget: $(elapsed) s)"; fi
+echo "GATE $gate_verdict after $(elapsed) s" | tee -a "$OUT/verdict.txt"
 
-step "the start-up autotune on this GPU: every checked candidate timed per bucket, at clef-flash's shapes"
-$PY benchmarks/autotune_table.py --device cuda --dtype f16 --flash --mode full 2>&1 | tee "$OUT/autotune.md" | tail -40 || true
-
-step "benchmarks: the ops"
-rm -f "$OUT/gpu_table.md" "$OUT/attention_table.md"
-$PY benchmarks/kernel_table.py --device cuda --markdown "$OUT/gpu_table.md" 2>&1 | grep -v "^|" | grep -v "^###" || true
-
-step "benchmarks: attention prefill (WMMA, SIMT, SDPA flash / mem-efficient / math) and a trunk step by op"
-$PY benchmarks/attention_table.py --device cuda --markdown "$OUT/attention_table.md" 2>&1 \
-  | grep -v "^|" | grep -v "^###" || true
-step "benchmarks: attention at a 16k context, one record (the long-record case the split-context work targets)"
-$PY benchmarks/attention_table.py --device cuda --records 1 --contexts 16384 --no-trunk \
-  --markdown "$OUT/attention_16k.md" 2>&1 | grep -v "^|" | grep -v "^###" || true
-
-step "Nsight Compute: one pass over the tensor-core attention kernel at 16k, one record (when ncu exists)"
-ncu=$(command -v ncu || echo "$CUDA_HOME/bin/ncu")
-if [ -x "$ncu" ]; then
-  timeout 180 "$ncu" --kernel-name regex:paged_attention_wmma --launch-skip 2 --launch-count 1 \
-    --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
-    $PY benchmarks/attention_table.py --device cuda --records 1 --contexts 16384 --no-trunk \
-    > "$OUT/ncu_wmma.txt" 2>&1 || echo "ncu exited $? (see $OUT/ncu_wmma.txt)"
-  grep -E "Duration|Throughput|Registers|Shared Memory|Achieved Occupancy|Block Limit" "$OUT/ncu_wmma.txt" | head -30 || true
+# ---- stage 2: the tables ----------------------------------------------------------------------------
+table "the ops" 90 ops.md "$PY" benchmarks/kernel_table.py --device cuda
+table "attention v1 / v2 / SIMT / SDPA at 2k and 16k, a trunk step by op" 150 attention.md \
+  "$PY" benchmarks/attention_table.py --device cuda --contexts 2048,16384
+table "int8 dequantize + GEMM vs f16 at 64..4096 rows" 60 int8.md \
+  "$PY" benchmarks/int8_table.py --device cuda --dtype float16 --layer-only --rows 64,256,1024,4096 --repeats 20
+table "the start-up autotune at clef-flash's shapes" 60 autotune.md \
+  "$PY" benchmarks/autotune_table.py --device cuda --dtype f16 --flash --mode fast
+left=$(( TOTAL_BUDGET - $(elapsed) ))
+if [ "$left" -gt 60 ]; then
+  echo "=== the whole suite, for the ${left} s left"
+  timeout "$left" "$PY" -m pytest tests -q -p no:cacheprovider --continue-on-collection-errors > "$OUT/suite.log" 2>&1
+  echo "SUITE   exit $? ($(tail -1 "$OUT/suite.log"))" | tee -a "$OUT/verdict.txt"
 else
-  echo "ncu not found (looked on PATH and in $CUDA_HOME/bin): skipped"
+  echo "SKIPPED the whole suite (${left} s left)" | tee -a "$OUT/verdict.txt"
 fi
 
-verdict() { [ "$1" = 0 ] && echo passed || { [ "$1" = skipped ] && echo skipped || echo "FAILED, see $2"; }; }
-step "done: op tests (blocking) $(verdict "$blocking_status" "$OUT/op_tests_blocking.log"); sanitizer $(verdict "$sanitizer_status" "$OUT/memcheck.log, racecheck.log"); tests $(verdict "$tests_status" "$OUT/tests.log"); self-check $(verdict "$selfcheck_status" "$OUT/selfcheck.log"); the tables:"
-cat "$OUT/gpu_table.md" 2>/dev/null || echo "(no ops table: see above)"
 echo
-cat "$OUT/attention_table.md" 2>/dev/null || echo "(no attention table: see above)"
-echo
-cat "$OUT/attention_16k.md" 2>/dev/null || echo "(no 16k attention table: see above)"
-echo
-cat "$OUT/autotune.md" 2>/dev/null || echo "(no autotune table: see above)"
-[ "$blocking_status" = 0 ] && [ "$sanitizer_status" != 1 ] && [ "$tests_status" = 0 ] && [ "$selfcheck_status" = 0 ]
+for f in ops.md attention.md int8.md autotune.md; do
+  [ -f "$OUT/$f" ] && { echo "--- $f"; tail -40 "$OUT/$f"; }
+done
+echo "--- verdict ($(elapsed) s)"
+cat "$OUT/verdict.txt"
+[ "$gate_failed" = 0 ]

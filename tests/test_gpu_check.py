@@ -1,18 +1,83 @@
-"""scripts/gpu_check.sh only runs where a GPU is lent, which is rare, so what can run here does: the script
-parses, and the attention benchmark it ends with runs its dry run (every case and the trunk-step profile
-at toy sizes on the CPU, untimed), so the first GPU run does not fail on a typo."""
+"""scripts/gpu_check.sh only runs where a GPU is lent, which is rare and short (about 15 minutes, 10 a
+command), so what can run here does: the script parses; its dry run (which CI runs too) resolves every module
+the check imports from the GPU image's package list and the carried wheels, and fails, naming it, when one is
+missing; the gate is two stages with their own budgets, gating on every check and not swallowing failures;
+the attention benchmark runs its own dry run; the flash-shape self-check exits 1 when a check fails."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
 def test_the_gpu_check_script_parses():
-    subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], check=True)
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def dry_run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check_dry_run.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+def test_the_dry_run_passes_and_selects_every_gpu_test():
+    result = dry_run()
+    assert result.returncode == 0, result.stdout[-3000:]
+    selected = int(re.search(r"the gate selects (\d+) GPU cases over 8 files", result.stdout).group(1))
+    assert selected >= 50, result.stdout
+
+
+def test_the_dry_run_fails_naming_a_module_missing_from_both_lists(tmp_path):
+    """The first GPU run of the old check would have died at `import fastapi`: the machine's image has none of
+    the server's packages. With fastapi taken out of the carried wheels the dry run fails, naming it and who
+    imports it; with a wheel's own requirement missing (pydantic's pydantic-core) it names that too."""
+    wheels = (ROOT / "scripts" / "gpu_check_requirements.txt").read_text()
+    without = tmp_path / "without-fastapi.txt"
+    without.write_text("\n".join(line for line in wheels.splitlines() if not line.startswith("fastapi")))
+    result = dry_run("--no-collect", "--wheels", str(without))
+    assert result.returncode == 1
+    assert "FAIL module fastapi (distribution fastapi, imported by app/intake.py" in result.stdout, result.stdout
+    without_core = tmp_path / "without-pydantic-core.txt"
+    without_core.write_text("\n".join(line for line in wheels.splitlines() if not line.startswith("pydantic-core")))
+    result = dry_run("--no-collect", "--wheels", str(without_core))
+    assert result.returncode == 1 and "carried wheel pydantic needs pydantic-core" in result.stdout, result.stdout
+    assert dry_run("--no-collect").returncode == 0
+
+
+def test_the_gate_is_two_stages_that_never_swallow_a_failure():
+    """Stage 1 (the gate) with its budget and verdict, then the tables until the total budget; every gate step
+    runs through `gate` (a time limit each, a failure or timeout fails the gate: no `|| true`); CUDA_LAUNCH_BLOCKING
+    on the op tests, selected by the `cuda` marker (an id need not say "cuda"); all four sanitizer tools; the
+    self-check at clef-flash's shapes in f16, bf16 and int8 and the shadow tolerance, gating; at most 8 files."""
+    script = SCRIPT.read_text()
+    stage1, stage2 = script.split("# ---- stage 2: the tables", 1)
+    assert "GATE_BUDGET=${GATE_BUDGET:-300}" in script and "TOTAL_BUDGET=${TOTAL_BUDGET:-540}" in script
+    assert "|| true" not in stage1
+    assert re.search(r'gate "op tests on the GPU, CUDA_LAUNCH_BLOCKING=1" \d+ env CUDA_LAUNCH_BLOCKING=1', stage1)
+    assert "-m cuda" in stage1 and "-k " not in stage1
+    assert "for tool in memcheck racecheck synccheck initcheck" in stage1
+    assert stage1.count("benchmarks/selfcheck_cost.py") == 2 and "--quantize int8 --only-flash" in stage1
+    assert 'flash_dtypes="f16 bf16"' in stage1 and "--dtypes f16,bf16 --records 10 --gate" in stage1
+    for needed in ("test_paged_attention_v2.py", "test_glue.py", "test_quantize.py", "test_kernel_trials.py"):
+        assert needed in stage1, needed
+    assert 'echo "GATE $gate_verdict' in stage1 and script.rstrip().endswith('[ "$gate_failed" = 0 ]')
+    outputs = set(re.findall(r"\$OUT/([\w.]+)", script)) | set(re.findall(r"\b(\w+\.md)\b", stage2))
+    assert len(outputs) <= 8, outputs
+    for table in (
+        "kernel_table.py",
+        "attention_table.py --device cuda --contexts 2048,16384",
+        "--rows 64,256,1024,4096",
+    ):
+        assert table in stage2, table
 
 
 def test_the_attention_benchmark_runs_its_dry_run():
@@ -27,20 +92,6 @@ def test_the_attention_benchmark_runs_its_dry_run():
     assert "| B=2 ctx=80 | SDPA math |" in result.stdout
     assert "| B=2 ctx=80 | (auto picks) | - | - | - | cpu |" in result.stdout
     assert "One trunk step, 4 layers" in result.stdout and "| GEMMs (cuBLAS) |" in result.stdout
-
-
-def test_the_gpu_check_gates_on_the_self_check_at_clef_flash_shapes():
-    """clef-tiny's head dim 32 never reaches the tensor-core attention: the check must fail when the
-    self-check at clef-flash's shapes fails (it ended in `|| true`), in f16, bf16 where there is bf16, and
-    with int8 weights; and it times attention at 16k with one record and runs Nsight Compute when present."""
-    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    flash = [line for line in script.splitlines() if "selfcheck_cost.py" in line]
-    assert len(flash) == 2 and all("--only-flash" in line for line in flash), flash
-    body = script.split("selfcheck_cost.py", 1)[1].split('step "shadow verification', 1)[0]
-    assert "|| true" not in body and body.count("|| selfcheck_status=1") == 2
-    assert "--quantize int8 --only-flash" in script and "--records 1 --contexts 16384 --no-trunk" in script
-    assert 'if [ -x "$ncu" ]' in script and "--kernel-name regex:paged_attention_wmma" in script
-    assert script.rstrip().endswith('[ "$selfcheck_status" = 0 ]')
 
 
 def load_selfcheck_cost():

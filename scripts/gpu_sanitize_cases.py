@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Every CUDA kernel once, at clef-flash's shapes but few tokens, against the reference: what
+scripts/gpu_check.sh runs under each compute-sanitizer tool (memcheck, racecheck, synccheck, initcheck),
+where the test suite would take too long. Exits 1 on a mismatch, naming it.
+
+- the on-device self-check on a random trunk of clef-flash's layer shapes (benchmarks/selfcheck_cost.py), f16
+  and bf16, with int8 weights once: conv (each channel band) and its update, the delta rule chunked and
+  recurrent, the cache write, attention on the tensor-core kernel (a prefill pack) and the SIMT one (a decode
+  pack), the five glue ops, int8 dequantize, one real layer of each kind;
+- tensor-core attention v2 forced, on a pack that fills the GPU (no split) and on one long record (a handful
+  of CTAs: the split-context pass and its combine kernel);
+- rms_norm_rope in place (out = x).
+
+    python scripts/gpu_sanitize_cases.py                 # on the GPU (cuda:0)
+    compute-sanitizer --tool racecheck python scripts/gpu_sanitize_cases.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def selfcheck_cost():
+    spec = importlib.util.spec_from_file_location("selfcheck_cost", ROOT / "benchmarks" / "selfcheck_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> bool:
+    actual, expected = actual.float(), expected.float()
+    scale = float(expected.abs().max().clamp_min(1e-30))
+    return bool(torch.isfinite(actual).all()) and float((actual - expected).abs().max()) <= rtol * scale
+
+
+def main() -> int:
+    from clef_cuda import ops, reference
+    from clef_cuda.serving.autotune import TuneTarget, _AttentionCase
+    from clef_cuda.serving.selfcheck import OP_RTOL, run_selfcheck
+
+    if not torch.cuda.is_available():
+        print("gpu_sanitize_cases: no GPU", file=sys.stderr)
+        return 2
+    device, costs, failures = torch.device("cuda:0"), selfcheck_cost(), []
+    config = costs.FLASH_LAYERS
+    dtypes = [torch.float16] + ([torch.bfloat16] if torch.cuda.get_device_capability() >= (8, 0) else [])
+    for dtype, quantize in [(d, "none") for d in dtypes] + [(torch.float16, "int8")]:
+        report = run_selfcheck(costs.random_trunk(config, device, dtype, quantize), block_size=16)
+        print(f"self-check {dtype} {quantize}: {report.summary()}")
+        if not report.passed:
+            failures.append(f"self-check {dtype} {quantize}: {report.summary()}")
+
+        target = TuneTarget(ops, config, device, dtype)
+        generator = torch.Generator().manual_seed(1)
+        # A pack of chunks that fills the GPU's SMs (no split), then one long record over few CTAs (split).
+        for name, shape in (("v2 whole grid", [(256, 1024)] * 4 + [(1, 300)]), ("v2 split", [(64, 4096)])):
+            case = _AttentionCase(target, shape, 16, generator)
+            expected = case.reference()
+            out = ops.paged_attention(
+                case.query,
+                case.key_cache,
+                case.value_cache,
+                case.batch.cu_seqlens,
+                case.batch.context_lens,
+                case.batch.block_tables,
+                kernel="wmma2",
+                max_query_len=max(case.batch.q_lens),
+            )
+            ok = close(out, expected, 2 * OP_RTOL[dtype])
+            print(f"{name} {dtype}: {'ok' if ok else 'MISMATCH'}")
+            if not ok:
+                failures.append(f"{name} {dtype}")
+
+        x = torch.randn(37, config.num_attention_heads, config.head_dim, device=device, dtype=dtype)
+        scale = 1 + 0.1 * torch.randn(config.head_dim, device=device)
+        angles = torch.rand(37, config.rotary_dim // 2, device=device) * 100
+        expected = reference.rms_norm_rope(x.clone(), scale, angles.cos(), angles.sin(), 1e-6)
+        out = ops.rms_norm_rope(x, scale, angles.cos(), angles.sin(), 1e-6, out=x)
+        ok = close(out, expected, 2 * OP_RTOL[dtype])
+        print(f"rms_norm_rope in place {dtype}: {'ok' if ok else 'MISMATCH'}")
+        if not ok:
+            failures.append(f"rms_norm_rope in place {dtype}")
+    torch.cuda.synchronize()
+    for failure in failures:
+        print(f"FAIL {failure}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
