@@ -2,8 +2,9 @@
 """int8 weights (--quantize int8) against the release's own dtype, in the same run: load time, host memory
 while and after loading (each configuration in a fresh process), and decision latency at 512 and 2,048
 tokens (interleaved medians); then the dequantize overhead of one clef-flash-shaped layer (the MLP's down
-projection, 4,096 x 12,288) at 1,024 and 4,096 rows a step, dequantize + GEMM against the GEMM alone on
-this device, and its projection for V100 and T4 from bytes and FLOPs. Prints the tables last.
+projection, 4,096 x 12,288) from 1 to 4,096 rows a step, dequantize + GEMM and (up to 64 rows) the fused W8A16
+kernel against the GEMM alone on this device, and its projection for V100 and T4 from bytes and FLOPs. Prints
+the tables last.
 
     python benchmarks/int8_table.py                       # CPU, a 51M-parameter random release (f32 vs int8)
     python benchmarks/int8_table.py --release mid --repeats 5
@@ -151,8 +152,11 @@ CARDS = [("V100", 900e9, 125e12, 0.8, 0.7), ("T4", 320e9, 65e12, 0.8, 0.5)]
 FLASH_LINEAR_WEIGHTS = 6.94e9  # trunk linear weights of clef-flash (clef_cuda.model.footprint, int8)
 
 
-def layer_overhead(device: str, dtype: str, repeats: int, rows_list=(1024, 4096)) -> dict[int, tuple[float, float]]:
-    """Seconds of the GEMM alone and of dequantize + GEMM for the down projection at each of `rows_list`."""
+def layer_overhead(
+    device: str, dtype: str, repeats: int, rows_list=(64, 128, 256, 512, 1024, 4096)
+) -> dict[int, tuple[float, float, float | None]]:
+    """Seconds of the GEMM alone, of dequantize + GEMM and (at most 64 rows) of the fused W8A16 kernel
+    (ops.int8_linear) for the down projection at each of `rows_list`, their runs interleaved."""
     import torch
 
     from clef_cuda import ops
@@ -174,7 +178,12 @@ def layer_overhead(device: str, dtype: str, repeats: int, rows_list=(1024, 4096)
         def int8(x=x):
             return torch.nn.functional.linear(x, ops.dequantize_int8(q.qweight, q.scale, out=scratch))
 
-        out[rows] = tuple(helpers.interleaved_medians([dense, int8], repeats, torch.device(device)))
+        def fused(x=x):
+            return ops.int8_linear(x, q.qweight, q.scale)
+
+        fns = [dense, int8] + ([fused] if rows <= 64 else [])
+        times = helpers.interleaved_medians(fns, repeats, torch.device(device))
+        out[rows] = (times[0], times[1], times[2] if rows <= 64 else None)
     return out
 
 
@@ -190,11 +199,14 @@ def projection(rows: int) -> list[tuple[str, float, float, float]]:
     return result
 
 
-def print_layer(layer: dict[int, tuple[float, float]], device: str, dtype: str) -> None:
+def print_layer(layer: dict[int, tuple[float, float, float | None]], device: str, dtype: str) -> None:
     print(f"\none clef-flash-shaped layer (down_proj 4096 x 12288) on {device} in {dtype}, same run")
-    print(f"{'rows':>6s} {'GEMM ms':>9s} {'dequant+GEMM ms':>16s} {'overhead':>9s}")
-    for rows, (dense, int8) in layer.items():
-        print(f"{rows:>6d} {dense * 1e3:9.3f} {int8 * 1e3:16.3f} {int8 / dense - 1:8.1%}")
+    print(
+        f"{'rows':>6s} {'GEMM ms':>9s} {'dequant+GEMM ms':>16s} {'overhead':>9s} {'fused ms':>9s} {'fused/GEMM':>10s}"
+    )
+    for rows, (dense, int8, fused) in layer.items():
+        fused_cells = f"{fused * 1e3:9.3f} {fused / dense:10.2f}" if fused is not None else f"{'-':>9s} {'-':>10s}"
+        print(f"{rows:>6d} {dense * 1e3:9.3f} {int8 * 1e3:16.3f} {int8 / dense - 1:8.1%} {fused_cells}")
 
 
 def main() -> int:
@@ -205,7 +217,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--probe", nargs=4, metavar=("QUANTIZE", "PATH", "DEVICE", "DTYPE"), help=argparse.SUPPRESS)
     parser.add_argument("--layer-only", action="store_true", help="only the clef-flash-shaped layer's table")
-    parser.add_argument("--rows", default="1024,4096", help="rows a step of the layer table (comma-separated)")
+    parser.add_argument(
+        "--rows", default="1,16,64,128,256,512,1024,4096", help="rows a step of the layer table (comma-separated)"
+    )
     args = parser.parse_args()
     if args.probe:
         print(json.dumps(probe(*args.probe)))

@@ -292,6 +292,16 @@ class OpLibrary:
         self._ops.dequantize_int8(qweight.contiguous(), _f32(scale), out)
         return out
 
+    def int8_linear(self, x: Tensor, qweight: Tensor, scale: Tensor, *, out: Tensor | None = None) -> Tensor:
+        """The fused W8A16 GEMM for small steps: x [rows <= 64, in] (the serving dtype, last dim contiguous),
+        qweight [out, in] int8, scale [out] fp32 -> out [rows, out] = (x @ qweight^T) * scale, in x's dtype:
+        the int8 weights read once, no dequantized copy (dequantize_int8 + GEMM moves 5 bytes a weight)."""
+        x = _last_dim_contiguous(x)
+        if out is None:
+            out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype, device=x.device)
+        self._ops.int8_linear(x, qweight.contiguous(), _f32(scale), out)
+        return out
+
     # ---- the trunk's glue, fused (csrc/glue/glue.h): fp32 math, each output rounded once ---------------
     def add_rms_norm(
         self,
@@ -380,23 +390,29 @@ class OpLibrary:
             self.set_cpu_isa(previous)
 
 
+# Every op that runs a kernel (the CUDA or the CPU one): what the fake kernels cover, and what the serving
+# trunk's guarded library (clef_cuda.serving.guarded_ops) keeps from running once it failed on a device.
+KERNEL_OPS = (
+    "causal_conv1d_fwd",
+    "causal_conv1d_update",
+    "gated_delta_rule_chunk",
+    "gated_delta_rule_recurrent",
+    "reshape_and_cache",
+    "paged_attention",
+    "dequantize_int8",
+    "int8_linear",
+    "add_rms_norm",
+    "silu_mul",
+    "gated_rms_norm",
+    "rms_norm_rope",
+    "sigmoid_gate",
+)
+
+
 def _register_fake_kernels(namespace: str) -> None:
     """Fake (meta) kernels: every op only mutates arguments the caller allocated, so there is nothing to
     infer. torch.compile and torch.library.opcheck use them."""
-    for name in (
-        "causal_conv1d_fwd",
-        "causal_conv1d_update",
-        "gated_delta_rule_chunk",
-        "gated_delta_rule_recurrent",
-        "reshape_and_cache",
-        "paged_attention",
-        "dequantize_int8",
-        "add_rms_norm",
-        "silu_mul",
-        "gated_rms_norm",
-        "rms_norm_rope",
-        "sigmoid_gate",
-    ):
+    for name in KERNEL_OPS:
         torch.library.register_fake(f"{namespace}::{name}")(lambda *args, **kwargs: None)
 
 
@@ -412,6 +428,7 @@ paged_attention = _default.paged_attention
 paged_attention_dispatch = _default.paged_attention_dispatch
 paged_attention_tiles = _default.paged_attention_tiles
 dequantize_int8 = _default.dequantize_int8
+int8_linear = _default.int8_linear
 add_rms_norm = _default.add_rms_norm
 silu_mul = _default.silu_mul
 gated_rms_norm = _default.gated_rms_norm

@@ -270,6 +270,16 @@ def _rms_normed(x: Tensor, scale: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale.float()
 
 
+def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """x [rows, in], qweight [out, in] int8, scale [out] fp32 -> [rows, out] = (x @ qweight^T) * scale in
+    fp32 (the int8 values exact), rounded once to x's dtype."""
+    result = (x.float() @ qweight.float().t()) * scale.float()
+    if out is None:
+        return result.to(x.dtype)
+    out.copy_(result)
+    return out
+
+
 def add_rms_norm(
     x: Tensor,
     delta: Tensor | None,

@@ -52,6 +52,7 @@ CLEF_LIBRARY(CLEF_NS, m) {
       "paged_attention_dispatch(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cu_seqlens_q, "
       "Tensor context_lens, Tensor block_tables, str kernel=\"auto\") -> str");
   m.def("dequantize_int8(Tensor qweight, Tensor scale, Tensor(a!) out) -> ()");
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor(a!) out) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor scale, float eps, Tensor(b!) out) -> ()");
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("gated_rms_norm(Tensor core, Tensor z, Tensor weight, float eps, Tensor(a!) out) -> ()");
@@ -74,6 +75,7 @@ CLEF_LIBRARY(CLEF_NS, m) {
   m.impl("paged_attention", &clef::paged_attention);                       \
   m.impl("paged_attention_dispatch", &clef::paged_attention_dispatch);     \
   m.impl("dequantize_int8", &clef::dequantize_int8);                       \
+  m.impl("int8_linear", &clef::int8_linear);                               \
   m.impl("add_rms_norm", &clef::add_rms_norm);                             \
   m.impl("silu_mul", &clef::silu_mul);                                     \
   m.impl("gated_rms_norm", &clef::gated_rms_norm);                         \

@@ -53,6 +53,8 @@ std::string paged_attention_tiles(int64_t head_dim, int64_t compute_capability, 
 
 // out[r, c] = qweight[r, c] * scale[r] in out's dtype (int8 weights with per-row fp32 scales).
 void dequantize_int8(const at::Tensor& qweight, const at::Tensor& scale, at::Tensor& out);
+// The fused W8A16 GEMM for at most 64 rows: out = (x @ qweight^T) * scale, read int8 once, no scratch.
+void int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale, at::Tensor& out);
 
 // The CPU kernels' instruction-set variant (common/cpu_kernel.h): "avx512", "avx2" or "baseline".
 std::vector<std::string> supported_cpu_isas();  // best first

@@ -159,6 +159,7 @@ FAMILIES = {
             for t in DTYPES
             for v in ("true", "false")
         ]
+        + [f"template __global__ void clef::int8_linear_kernel<{t}>(clef::Int8LinearParams);" for t in DTYPES],
         [],
     ),
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import pytest
 import torch
@@ -163,19 +164,28 @@ def test_the_sdpa_candidate_matches_the_reference(backend, dtype):
         assert float((out.float() - expected.float()).abs().max()) <= (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-def test_int8_linear_takes_the_faster_checked_candidate_and_answers_the_same(monkeypatch):
-    """With int8 weights on the CPU, torch._weight_int8pack_mm competes with dequantize + GEMM: injected as
-    the faster one it is chosen and installed, and the decisions stay those of dequantize + GEMM (the same
+def test_int8_linear_takes_the_faster_checked_candidate_per_step_size_and_answers_the_same(monkeypatch):
+    """With int8 weights the fused kernel (up to 64 rows), dequantize + GEMM and, on the CPU, torch's
+    _weight_int8pack_mm compete per step size: injected as the faster, each is chosen where it may run and
+    installed, the fused kernel never above its 64 rows; the decisions stay those of dequantize + GEMM (the same
     int8 weights and scales; only the summation order differs)."""
     decider = Decider.from_release(mid_release(), device="cpu", progress=False, quantize="int8")
+    decider.trunk.int8_by_rows = [(sys.maxsize, "dequantize+gemm")]
     requests = [random_request(random.Random(seed), state_words=(50, 200)) for seed in range(2)]
     before = [decider.probabilities(decider.encode(r)) for r in requests]
     fake_timings(
-        monkeypatch, {"dequantize+gemm": 2.0, "int8pack_mm": 1.0, "ours": 1.0, "sdpa-flash": 2.0, "sdpa-math": 3.0}
+        monkeypatch,
+        {"dequantize+gemm": 2.0, "fused": 1.0, "int8pack_mm": 1.5, "ours": 1.0, "sdpa-flash": 2.0, "sdpa-math": 3.0},
     )
     report = tuning.autotune(decider.trunk, CONFIG, "fast", None)
-    assert report.choices["int8_linear"] == {"prefill": "int8pack_mm", "decode": "int8pack_mm"}
-    assert decider.trunk.int8_matmul == "int8pack_mm"
+    assert report.choices["int8_linear"] == {
+        "rows 1": "fused",
+        "rows 16": "fused",
+        "rows 64": "fused",
+        "prefill": "int8pack_mm",
+    }
+    assert decider.trunk.int8_by_rows == [(1, "fused"), (16, "fused"), (64, "fused"), (sys.maxsize, "int8pack_mm")]
+    assert decider.trunk.int8_impl(64) == "fused" and decider.trunk.int8_impl(65) == "int8pack_mm"
     after = [decider.probabilities(decider.encode(r)) for r in requests]
     worst = max(
         abs(a - b)
@@ -184,6 +194,12 @@ def test_int8_linear_takes_the_faster_checked_candidate_and_answers_the_same(mon
         for a, b in zip(p, q, strict=True)
     )
     assert worst < PARITY_BOUND, worst
+    fake_timings(
+        monkeypatch,
+        {"dequantize+gemm": 1.0, "fused": 2.0, "int8pack_mm": 3.0, "ours": 1.0, "sdpa-flash": 2.0, "sdpa-math": 3.0},
+    )
+    tuning.autotune(decider.trunk, CONFIG, "fast", None)
+    assert decider.trunk.int8_impl(8) == "dequantize+gemm"
 
 
 def test_past_the_budget_the_remaining_buckets_keep_ours_untimed(tiny, monkeypatch):

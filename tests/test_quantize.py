@@ -124,6 +124,74 @@ def test_dequantize_argument_errors_name_the_argument():
         ops.dequantize_int8(offset, scale)
 
 
+# ---- int8_linear: the fused small-step GEMM --------------------------------------------------------
+# (rows, in, out): 1 to 64 rows; `in` a multiple of the kernel's 128-value tile, one short of it (a partial last
+# tile), and a tiny one; `out` a multiple of the 64-column CTA tile or not.
+LINEAR_SHAPES = {
+    "sim": [(1, 130, 70), (5, 256, 64), (64, 100, 65)],
+    "fast": [(1, 4096, 256), (7, 300, 200), (33, 127, 1000), (64, 4096, 192), (64, 1, 3)],
+}
+
+
+def int8_linear_case(rows: int, cols_in: int, cols_out: int, dtype, device):
+    x = torch.randn(rows + 1, cols_in + 3).to(device, dtype)[1:, 3:]  # rows a strided view, as a slice would be
+    q, scale = random_int8(cols_out, cols_in, device)
+    return x, q, scale
+
+
+def linear_close(out: torch.Tensor, expected: torch.Tensor, dtype) -> tuple[bool, float]:
+    """Within the self-check's rule: both sides sum the same fp32 products (in another order) and round once,
+    so relative to the largest value: 1e-5 in fp32 (summation order), 2 ulps of f16 / bf16."""
+    from conftest import TOLERANCE
+
+    worst = float((out.float().cpu() - expected.float().cpu()).abs().max()) if out.numel() else 0.0
+    return worst <= TOLERANCE[dtype] * max(float(expected.float().abs().max()), 1e-30), worst
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f16", "bf16"])
+def test_int8_linear_matches_the_reference(backend, dtype):
+    for rows, cols_in, cols_out in LINEAR_SHAPES["sim" if backend.kind == "sim" else "fast"]:
+        x, q, scale = int8_linear_case(rows, cols_in, cols_out, dtype, backend.device)
+        out = torch.full((rows, cols_out), float("nan"), dtype=dtype, device=backend.device)
+        backend.ops.int8_linear(x, q, scale, out=out)
+        ok, worst = linear_close(out, reference.int8_linear(x, q, scale), dtype)
+        assert ok, (rows, cols_in, cols_out, worst)
+
+
+def test_int8_linear_equals_dequantize_then_gemm_to_the_weights_rounding():
+    """In fp32 the two paths compute one function (exact int8 values times the scale) up to summation order."""
+    from clef_cuda import ops
+
+    x, q, scale = int8_linear_case(16, 512, 300, torch.float32, "cpu")
+    fused = ops.int8_linear(x, q, scale)
+    dequantized = torch.nn.functional.linear(x, ops.dequantize_int8(q, scale))
+    assert linear_close(fused, dequantized, torch.float32)[0]
+
+
+def test_the_int8_linear_test_catches_a_dropped_tile_tail(sim_ops):
+    """The CUDA kernel's test-only fault (each 128-value tile's last 4 products left out) fails the comparison
+    above in the simulator, and passes with it off."""
+    x, q, scale = int8_linear_case(3, 256, 64, torch.float32, "cpu")
+    expected = reference.int8_linear(x, q, scale)
+    assert linear_close(sim_ops.int8_linear(x, q, scale), expected, torch.float32)[0]
+    with simulated(fault="int8_linear_drops_tile_tail"):
+        assert not linear_close(sim_ops.int8_linear(x, q, scale), expected, torch.float32)[0]
+
+
+def test_int8_linear_argument_errors_name_the_argument():
+    from clef_cuda import ops
+
+    x, q, scale = int8_linear_case(4, 32, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="at most 64 rows a call, got 65"):
+        ops.int8_linear(torch.randn(65, 32), q, scale)
+    with pytest.raises(ValueError, match="qweight has 32 in_features, x has 31"):
+        ops.int8_linear(torch.randn(4, 31), q, scale)
+    with pytest.raises(TypeError, match="qweight must be Char"):
+        ops.int8_linear(x, q.float(), scale)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        ops.int8_linear(x, q, scale[:3])
+
+
 # ---- the int8 model -------------------------------------------------------------------------------
 def max_abs_dp(a: Decider, b: Decider, requests) -> float:
     worst = 0.0

@@ -15,6 +15,7 @@ and runs the same GEMM; the embedding lookup dequantizes the rows it gathers.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 from clef_cuda.errors import NumericalOverflowError
 from clef_cuda.model.config import LINEAR_ATTENTION, TrunkConfig
 from clef_cuda.model.quantize import DequantizeScratch, Int8Weight
+from clef_cuda.model.vocab_tables import HostTable
 
 Tensor = torch.Tensor
 
@@ -64,6 +66,8 @@ class ChunkBatch:
     # Host copies of the pack's shape (no device-to-host copy needed): new tokens and context per sequence.
     q_lens: tuple[int, ...] = ()
     context_lengths: tuple[int, ...] = ()
+    # The token ids on the host: what a vocabulary table in host memory gathers its rows by.
+    host_input_ids: Tensor | None = None
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], block_size: int, device) -> ChunkBatch:
@@ -90,8 +94,9 @@ class ChunkBatch:
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+        host_ids = torch.tensor(ids, dtype=torch.int64)
         return cls(
-            input_ids=tensor(ids, torch.int64),
+            input_ids=host_ids.to(device, non_blocking=True),
             positions=torch.cat(positions, dim=1).to(device, torch.int64, non_blocking=True),
             cu_seqlens=tensor(cu, torch.int32),
             state_slots=tensor([c.state_slot for c in chunks], torch.int32),
@@ -100,13 +105,21 @@ class ChunkBatch:
             block_tables=tensor(tables, torch.int32),
             context_lens=tensor([c.start + len(c.token_ids) for c in chunks], torch.int32),
             override_rows=torch.cat(override_rows).to(device, non_blocking=True) if override_rows else None,
-            override_values=torch.cat([v.to(device) for v in override_values]) if override_values else None,
+            # Image features wait in (pinned) host memory on a GPU: each step copies its own rows over.
+            override_values=torch.cat([v.to(device, non_blocking=True) for v in override_values])
+            if override_values
+            else None,
             q_lens=tuple(len(c.token_ids) for c in chunks),
             context_lengths=tuple(c.start + len(c.token_ids) for c in chunks),
+            host_input_ids=host_ids,
         )
 
 
 Weight = Tensor | Int8Weight  # a linear layer's [out, in] weight, in the serving dtype or int8
+# The fused W8A16 kernel (ops.int8_linear) takes at most this many rows; below it, it reads 1 byte a weight where
+# dequantize + GEMM moves 5, so it is the default there until the autotune measures otherwise.
+INT8_FUSED_MAX_ROWS = 64
+DEFAULT_INT8_BY_ROWS = ((INT8_FUSED_MAX_ROWS, "fused"), (sys.maxsize, "dequantize+gemm"))
 
 
 @dataclass
@@ -188,14 +201,28 @@ class Trunk:
         # Set by the start-up autotune (clef_cuda.serving.autotune): batch -> the attention implementation
         # to run, (query, key_cache, value_cache, batch) -> out. None: self.ops.paged_attention.
         self.attention_choice: Callable[[ChunkBatch], Callable] | None = None
-        # int8 weights: "dequantize+gemm" (ours), or "int8pack_mm" (torch's CPU kernel) if the autotune chose it.
-        self.int8_matmul = "dequantize+gemm"
+        # int8 weights: how a step of n rows runs each GEMM, the first (max rows, impl) with n <= max rows: "fused"
+        # (ops.int8_linear: the int8 weights read once, no scratch), "dequantize+gemm", or "int8pack_mm" (torch's
+        # CPU kernel). The autotune measures where each wins on the device.
+        self.int8_by_rows: list[tuple[int, str]] = list(DEFAULT_INT8_BY_ROWS)
 
     @staticmethod
     def _linear_weights(layer: _LayerWeights) -> list[Weight]:
         m = layer.mixer
         mixer = [m.in_proj, m.out_proj] if isinstance(m, _DeltaNetWeights) else [m.qkv_proj, m.o_proj]
         return mixer + [layer.gate_up, layer.down]
+
+    def int8_impl(self, rows: int) -> str:
+        """How a step of `rows` rows multiplies by an int8 weight (int8_by_rows)."""
+        for limit, impl in self.int8_by_rows:
+            if rows <= limit:
+                return impl
+        return "dequantize+gemm"
+
+    @property
+    def device(self) -> torch.device:
+        """The serving device (where the layers' weights live; the vocabulary tables may be on the host)."""
+        return self.final_scale.device
 
     @property
     def quantized(self) -> bool:
@@ -246,7 +273,8 @@ class Trunk:
         """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place.
         `lora`: the variants of the chunk's rows (clef_cuda.model.adapters); rows outside it are the base model's."""
         eps = self.config.rms_norm_eps
-        x = self._embed(batch.input_ids).float().contiguous()  # the residual stream stays fp32
+        ids = batch.host_input_ids if isinstance(self.embed, HostTable) and batch.host_input_ids is not None else None
+        x = self._embed(batch.input_ids if ids is None else ids).float().contiguous()  # the residual stream: fp32
         if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens
             x[batch.override_rows] = batch.override_values.float()
         rope = self._rope(batch.positions)
@@ -282,7 +310,8 @@ class Trunk:
         """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.reference,
         for every op (the autotune's choices are this trunk's, not the twin's)."""
         twin = copy.copy(self)
-        twin.ops, twin.attention_choice, twin.int8_matmul = ops, None, "dequantize+gemm"
+        twin.ops, twin.attention_choice = ops, None
+        twin.int8_by_rows = [(sys.maxsize, "dequantize+gemm")]
         return twin
 
     def _mix(
@@ -301,16 +330,21 @@ class Trunk:
         return self._attention(layer.mixer, h, batch, cache, i, *rope, index, lora)
 
     def _embed(self, token_ids: Tensor) -> Tensor:
-        if isinstance(self.embed, Int8Weight):
+        if isinstance(self.embed, Int8Weight | HostTable):
             return self.embed.rows(token_ids, self.ops)
         return self.embed[token_ids]
 
     def _linear(self, x: Tensor, weight: Weight, lora: AdapterBatch | None, index: int, fused: str) -> Tensor:
         """A fused GEMM (an int8 weight dequantized first, by this trunk's ops), plus the variants' LoRA
         deltas on their rows' columns of it."""
-        if isinstance(weight, Int8Weight) and self.int8_matmul == "int8pack_mm" and weight.dense_tail is None:
+        impl = self.int8_impl(x.shape[0]) if isinstance(weight, Int8Weight) else None
+        if impl == "fused" and x.shape[0] <= INT8_FUSED_MAX_ROWS:
+            y = self.ops.int8_linear(x, weight.qweight, weight.scale)
+            if weight.dense_tail is not None:  # the fused in_proj's b and a rows, kept in the serving dtype
+                y = torch.cat([y, F.linear(x, weight.dense_tail)], dim=1)
+        elif impl == "int8pack_mm" and weight.dense_tail is None:
             y = torch._weight_int8pack_mm(x, weight.qweight, weight.scale)
-        elif isinstance(weight, Int8Weight):
+        elif impl is not None:
             with self.scratch.lock:
                 y = F.linear(x, self.scratch.weight(weight, self.ops))
         else:

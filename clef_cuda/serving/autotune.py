@@ -9,7 +9,8 @@ device decides. Ops and candidates:
   tensor-core kernels v1 and v2 and the SIMT kernel forced: a card where one cannot run raises and is left
   out) and torch's SDPA on the context gathered from the pages, one candidate per backend the build offers
   (clef_cuda.sdpa).
-- int8_linear (with --quantize int8 on the CPU): dequantize + GEMM (ours) and torch._weight_int8pack_mm.
+- int8_linear (with --quantize int8), per step size: the fused W8A16 kernel (up to 64 rows), dequantize + GEMM,
+  and on the CPU torch._weight_int8pack_mm.
 
 Buckets (`fast`): a prefill chunk at 1k, 4k and 16k tokens of context with one record, the same 1k chunk with
 --max-num-seqs records, a 64-token chunk after a 4k cached prefix, and a decode pack of --max-num-seqs
@@ -45,6 +46,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -56,7 +58,7 @@ import clef_cuda
 from clef_cuda import ops, reference
 from clef_cuda.model.config import TrunkConfig
 from clef_cuda.model.quantize import Int8Weight
-from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
+from clef_cuda.model.trunk import DEFAULT_INT8_BY_ROWS, INT8_FUSED_MAX_ROWS, ChunkBatch, SequenceChunk, Trunk
 from clef_cuda.sdpa import SDPA_BACKENDS, paged_attention_sdpa
 from clef_cuda.serving.guarded_ops import GuardedOps
 from clef_cuda.serving.selfcheck import OP_RTOL
@@ -137,7 +139,7 @@ class TuneTarget:
     @classmethod
     def of(cls, trunk: Trunk) -> TuneTarget:
         ops_ = trunk.ops.base if isinstance(trunk.ops, GuardedOps) else trunk.ops
-        return cls(ops_, trunk.config, trunk.embed.device, trunk.dtype)
+        return cls(ops_, trunk.config, trunk.device, trunk.dtype)
 
 
 # A unit of work that runs a kernel: `with trial(unit): ...`. Inline it does nothing; in the trial process
@@ -196,7 +198,7 @@ def attention_candidates(target: TuneTarget | Trunk) -> dict[str, AttentionImpl]
     """Name -> implementation; the forced kernels first, so that a kernel which fails its trial is known
     before ours (the dispatch rule) would pick it. Ours runs on the target's own op library."""
     if isinstance(target, Trunk):
-        target = TuneTarget(target.ops, target.config, target.embed.device, target.dtype)
+        target = TuneTarget(target.ops, target.config, target.device, target.dtype)
     library = target.ops
     candidates: dict[str, AttentionImpl] = {}
     if target.device.type == "cuda":
@@ -427,43 +429,74 @@ def tune_attention(
             report.rows.append(Row("paged_attention", bucket.name, name, ms, "chosen" if name == chosen else "ok"))
 
 
+def int8_buckets(config) -> list[tuple[str, int]]:
+    """(bucket, rows a step): a decode token, a short chunk, the fused kernel's most rows, a prefill step."""
+    prefill = min(config.max_num_seqs * config.prefill_chunk_size, 4096)
+    return [("rows 1", 1), ("rows 16", 16), (f"rows {INT8_FUSED_MAX_ROWS}", INT8_FUSED_MAX_ROWS), ("prefill", prefill)]
+
+
 def tune_int8_linear(trunk: Trunk, config, mode: str, report: AutotuneReport) -> None:
-    """CPU with int8 weights: dequantize + GEMM against torch._weight_int8pack_mm, at a prefill step's rows
-    and a decode pack's, on the trunk's largest quantized weight without a dense tail."""
+    """With int8 weights: per step size (int8_buckets), the fused W8A16 kernel (ops.int8_linear: at most 64 rows),
+    dequantize + GEMM, and on the CPU in fp32 torch._weight_int8pack_mm, on the trunk's largest quantized weight
+    without a dense tail; each checked against dequantize + GEMM first. The chosen ones become the trunk's
+    int8_by_rows: where the fused kernel stops winning is measured on each device."""
     weights = [w for layer in trunk.layers for w in trunk._linear_weights(layer) if isinstance(w, Int8Weight)]
     plain = [w for w in weights if w.dense_tail is None]
-    if not plain or trunk.embed.device.type != "cpu" or trunk.dtype != torch.float32:
+    if not plain:
         return
+    device = trunk.device
     weight = max(plain, key=lambda w: w.qweight.numel())
     generator = torch.Generator().manual_seed(1)
     choices = report.choices.setdefault("int8_linear", {})
     dense = weight.dequantize(trunk.ops)
-    for name, rows in (("prefill", config.max_num_seqs * config.prefill_chunk_size), ("decode", config.max_num_seqs)):
-        x = torch.randn(min(rows, 4096), weight.shape[1], generator=generator)
+    scratch = torch.empty_like(dense)
+    fused_ok = f"int8_linear:{device.type}" not in report.failures
+    for name, rows in int8_buckets(config):
+        x = torch.randn(rows, weight.shape[1], generator=generator).to(device, trunk.dtype)
         expected = torch.nn.functional.linear(x, dense)
         candidates = {
-            "dequantize+gemm": lambda x=x: torch.nn.functional.linear(x, weight.dequantize(trunk.ops)),
-            "int8pack_mm": lambda x=x: torch._weight_int8pack_mm(x, weight.qweight, weight.scale),
+            "dequantize+gemm": lambda x=x: torch.nn.functional.linear(
+                x, trunk.ops.dequantize_int8(weight.qweight, weight.scale, out=scratch)
+            )
         }
+        if rows <= INT8_FUSED_MAX_ROWS and fused_ok:
+            candidates["fused"] = lambda x=x: trunk.ops.int8_linear(x, weight.qweight, weight.scale)
+        if device.type == "cpu" and trunk.dtype == torch.float32:
+            candidates["int8pack_mm"] = lambda x=x: torch._weight_int8pack_mm(x, weight.qweight, weight.scale)
+        rtol = max(1e-4, 2 * OP_RTOL.get(trunk.dtype, OP_RTOL[torch.bfloat16]))
         timings = {}
         for candidate, fn in candidates.items():
             try:
-                if not _close(fn(), expected, 1e-4):
+                if not _close(fn(), expected, rtol):
                     report.rows.append(Row("int8_linear", name, candidate, None, "failed its check"))
                     continue
-                timings[candidate] = _median_ms(fn, REPEATS[mode], trunk.embed.device, candidate)
+                timings[candidate] = _median_ms(fn, REPEATS[mode], device, candidate)
             except Exception as error:
                 report.rows.append(Row("int8_linear", name, candidate, None, _raised(error)))
-        chosen = min(timings, key=timings.get)
+        chosen = min(timings, key=timings.get) if timings else "dequantize+gemm"
         choices[name] = chosen
         for candidate, ms in timings.items():
             report.rows.append(Row("int8_linear", name, candidate, ms, "chosen" if candidate == chosen else "ok"))
 
 
+def int8_policy(choices: dict[str, str], config) -> list[tuple[int, str]]:
+    """The trunk's int8_by_rows from the int8 buckets' choices: a step of n rows runs the choice of the first
+    bucket with at least n rows (the last bucket's beyond it); the fused kernel never above its 64 rows."""
+    policy = []
+    for name, rows in int8_buckets(config):
+        if name in choices:
+            policy.append((rows, choices[name]))
+    if not policy:
+        return list(DEFAULT_INT8_BY_ROWS)
+    limit, impl = policy[-1]
+    policy[-1] = (sys.maxsize, "dequantize+gemm" if impl == "fused" else impl)
+    return policy
+
+
 # ---- the cache and the entry point --------------------------------------------------------------------
 def cache_key(trunk: Trunk, config, mode: str, buckets: list[Bucket]) -> dict:
     """What makes a tuning valid: the device and its software, the model's attention shapes, the buckets."""
-    device = trunk.embed.device
+    device = trunk.device
     if device.type == "cuda":
         where = {"device": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
         with_driver = getattr(torch.cuda, "driver_version", None)
@@ -510,9 +543,9 @@ def autotune(
         raise ValueError(f"--autotune must be one of {', '.join(AUTOTUNE_MODES)}, got {mode!r}")
     if trials not in KERNEL_TRIALS:
         raise ValueError(f"--kernel-trials must be one of {', '.join(KERNEL_TRIALS)}, got {trials!r}")
-    in_child = trials == "child" or (trials == "auto" and trunk.embed.device.type == "cuda")
+    in_child = trials == "child" or (trials == "auto" and trunk.device.type == "cuda")
     if mode == "off" and not in_child:
-        install(trunk, AutotuneReport(mode, {}), [])
+        install(trunk, AutotuneReport(mode, {}), [], None, config)
         return None
     buckets = (
         []
@@ -538,7 +571,7 @@ def autotune(
         report.seconds = time.monotonic() - started
         if path is not None:
             _write(path, {"key": key, "report": report.to_json()})
-    install(trunk, report, buckets, path)
+    install(trunk, report, buckets, path, config)
     if report.failures:
         log.error(
             "kernels that failed on this device and will not run: %s",
@@ -559,7 +592,9 @@ def read_cached(path: Path, key: dict) -> AutotuneReport | None:
     return None
 
 
-def install(trunk: Trunk, report: AutotuneReport, buckets: list[Bucket], cache_path: Path | None = None) -> None:
+def install(
+    trunk: Trunk, report: AutotuneReport, buckets: list[Bucket], cache_path: Path | None = None, config=None
+) -> None:
     """The guarded op library (every failed kernel kept from running; a launch failure while serving added to
     the report and its cache file) and the attention choices that do not run a failed kernel."""
     base = trunk.ops.base if isinstance(trunk.ops, GuardedOps) else trunk.ops
@@ -576,8 +611,12 @@ def install(trunk: Trunk, report: AutotuneReport, buckets: list[Bucket], cache_p
         if candidate_kernel(candidate) not in report.failures
     }
     trunk.attention_choice = AttentionPolicy(buckets, attention, attributed_candidates(trunk))
-    int8 = report.choices.get("int8_linear", {})
-    trunk.int8_matmul = "int8pack_mm" if int8.get("prefill") == "int8pack_mm" else "dequantize+gemm"
+    int8 = report.choices.get("int8_linear", {}) if config is not None else {}
+    if f"int8_linear:{trunk.device.type}" in report.failures:  # the guarded library would run the reference
+        int8 = {bucket: impl for bucket, impl in int8.items() if impl != "fused"}
+        trunk.int8_by_rows = int8_policy(int8, config) if int8 else [(sys.maxsize, "dequantize+gemm")]
+    elif int8:
+        trunk.int8_by_rows = int8_policy(int8, config)
 
 
 def attributed_candidates(trunk: Trunk) -> dict[str, AttentionImpl]:

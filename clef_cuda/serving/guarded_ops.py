@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from clef_cuda import reference
+from clef_cuda.ops import KERNEL_OPS
 
 log = logging.getLogger("clef_cuda.serving.guarded_ops")
 
@@ -53,20 +54,8 @@ LAUNCH_CUDA_ERRORS = (
     "named symbol not found",
 )
 
-# The ops the trunk, the self-check and the autotune call, besides paged_attention.
-GUARDED_OPS = (
-    "causal_conv1d_fwd",
-    "causal_conv1d_update",
-    "gated_delta_rule_chunk",
-    "gated_delta_rule_recurrent",
-    "reshape_and_cache",
-    "dequantize_int8",
-    "add_rms_norm",
-    "silu_mul",
-    "gated_rms_norm",
-    "rms_norm_rope",
-    "sigmoid_gate",
-)
+# The ops the trunk, the self-check and the autotune call, besides paged_attention (a choice of kernels).
+GUARDED_OPS = tuple(op for op in KERNEL_OPS if op != "paged_attention")
 
 
 def cuda_error_kind(error: BaseException) -> str | None:

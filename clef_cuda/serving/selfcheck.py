@@ -16,7 +16,8 @@ clef_cuda.reference on the same inputs:
   this pack runs the tensor-core kernel), and a pack of decode tokens only (the SIMT kernel on a GPU);
 - the fused glue between them (add_rms_norm, silu_mul, gated_rms_norm, rms_norm_rope, sigmoid_gate) at the
   model's widths, head dims and rotary dim, the q/k inputs as the strided views the trunk passes;
-- with int8 weights (--quantize int8), dequantize_int8 on a real weight and on embedding rows (exact);
+- with int8 weights (--quantize int8), dequantize_int8 on a real weight and on embedding rows (exact), and
+  the fused small-step GEMM int8_linear on that weight;
 - one real delta-net layer and one real attention layer of the loaded weights (their mixers, over two
   prefill steps so the second continues from the first's caches), through the ops vs the references;
   with int8 weights both sides dequantize them (ops vs reference) before the same GEMM.
@@ -221,7 +222,7 @@ class _SelfCheck:
     @classmethod
     def of(cls, trunk: Trunk, block_size: int = 16, seed: int = 0) -> _SelfCheck:
         """The checks of a loaded trunk: its op library, shapes, dtype and device, and its real layers."""
-        return cls(trunk.ops, trunk.config, trunk.dtype, trunk.embed.device, block_size, seed, trunk)
+        return cls(trunk.ops, trunk.config, trunk.dtype, trunk.device, block_size, seed, trunk)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def groups(self) -> list[tuple[str, Callable[[], list[Check]]]]:
@@ -534,6 +535,7 @@ class _SelfCheck:
             self.ops.dequantize_int8(weight.qweight, weight.scale, out=out)
             expected = reference.dequantize_int8(weight.qweight, weight.scale, dtype=self.dtype)
             checks.append(self.compare(f"dequantize_int8.layer0.{name}", out, expected, 0.0))
+            checks.append(self.int8_linear(f"int8_linear.layer0.{name}", weight.qweight, weight.scale))
         embed = self.trunk.embed
         if isinstance(embed, Int8Weight):
             rows = torch.randint(0, embed.shape[0], (64,), generator=self.generator).to(self.device)
@@ -551,7 +553,18 @@ class _SelfCheck:
         out = torch.full(qweight.shape, float("nan"), dtype=self.dtype, device=self.device)
         self.ops.dequantize_int8(qweight, scale, out=out)
         expected = reference.dequantize_int8(qweight, scale, dtype=self.dtype)
-        return [self.compare("dequantize_int8.random", out, expected, 0.0)]
+        return [
+            self.compare("dequantize_int8.random", out, expected, 0.0),
+            self.int8_linear("int8_linear.random", qweight, scale),
+        ]
+
+    def int8_linear(self, name: str, qweight: Tensor, scale: Tensor) -> Check:
+        """The fused W8A16 GEMM on its most rows (64, a strided view) into a NaN-poisoned output: both sides
+        sum the same fp32 products and round once (the op's rtol)."""
+        x = self.randn(65, qweight.shape[1] + 8)[1:, 8:]
+        out = torch.full((64, qweight.shape[0]), float("nan"), dtype=self.dtype, device=self.device)
+        self.ops.int8_linear(x, qweight, scale, out=out)
+        return self.compare(name, out, reference.int8_linear(x, qweight, scale), self.rtol)
 
     # ---- real layers ---------------------------------------------------------------------------------
     def layer_check(self, name: str, layer_index: int) -> list[Check]:
