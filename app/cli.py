@@ -20,6 +20,7 @@ EXIT_PLAN_DOES_NOT_FIT = 3  # --plan: the release does not fit the memory planne
 SELFCHECK_MODES = ("enforce", "warn", "off")
 AUTOTUNE_MODES = ("fast", "full", "off")  # clef_cuda.serving.autotune (kept here: the CLI imports no torch)
 KERNEL_TRIALS = ("auto", "child", "inline")  # clef_cuda.serving.autotune.KERNEL_TRIALS
+VOCAB_TABLES = ("auto", "device", "host")  # clef_cuda.model.weights.VOCAB_TABLE_PLACEMENTS, and auto
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
 
@@ -79,13 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
         dest="device",
         help="GPU index (0, 1, ...), 'cuda[:N]' or 'cpu' (default: GPU 0 if there is one, else cpu)",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="serving dtype (default: f16 on a GPU, f32 on the CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="serving dtype (default: f16 on a GPU, f32 on sm_61 (f16 at 1/64 there) and on the CPU; bf16 needs sm_80)",
+    )
     p.add_argument(
         "--quantize",
         choices=QUANTIZE_MODES,
         default="none",
         help="int8: the trunk's linear layers and embeddings as int8 with per-row scales (W8A16, quantized "
         "while loading; about half the f16 weights: clef-flash on 12-16 GB cards)",
+    )
+    p.add_argument(
+        "--vocab-tables",
+        choices=VOCAB_TABLES,
+        default="auto",
+        help="where the embedding and LM-head tables (2 x 248,320 rows for clef-flash) live: device, host (pinned "
+        "memory, the rows a step needs copied over), or auto (host when the plan does not fit with them on the device)",
     )
     p.add_argument(
         "--plan",
@@ -286,7 +298,7 @@ def make_decider(args):
     from clef_cuda.request.images import ImageLimits
 
     device = resolve_device(args.device)
-    dtype = getattr(torch, DTYPES[args.dtype or ("f16" if device.type == "cuda" else "f32")])
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     return Decider.from_release(
         args.weights,
         device=device,
@@ -299,6 +311,7 @@ def make_decider(args):
         image_max_pixels=args.image_max_pixels,
         progress=args.log_format == "text",  # a progress bar is not a JSON line
         quantize=args.quantize,
+        vocab_tables=args.vocab_tables if args.vocab_tables != "auto" else "device",
     )
 
 
@@ -383,8 +396,25 @@ def make_engine(args):
     return Engine(decider, engine_config(args), adapters)
 
 
-def make_plan(args, quantize: str | None = None):
-    """The memory plan for args (clef_cuda.serving.plan) on --gpu-memory, or on --d's free memory now."""
+def resolve_dtype(args, log) -> None:
+    """--dtype for the device: the default a card should serve in (f32 on sm_61: serving_dtype says why, in
+    one log line), and a one-line error for bf16 where there is no bf16 arithmetic."""
+    import torch
+
+    from clef_cuda.decider import serving_dtype
+
+    device = resolve_device(args.device)
+    if device.type != "cuda":
+        return
+    dtype, why = serving_dtype(device, getattr(torch, DTYPES[args.dtype]) if args.dtype else None)
+    args.dtype = next(name for name, value in DTYPES.items() if getattr(torch, value) == dtype)
+    if why:
+        log.warning("%s", why)
+
+
+def make_plan(args, quantize: str | None = None, vocab_tables: str | None = None):
+    """The memory plan for args (clef_cuda.serving.plan) on --gpu-memory (a card's total: its CUDA context still
+    to come), or on --d's free memory now (after emptying torch's cache: the context already out of it)."""
     import torch
 
     from clef_cuda.model.adapters import adapter_pool_bytes
@@ -392,6 +422,7 @@ def make_plan(args, quantize: str | None = None):
     from clef_cuda.serving.plan import parse_memory_size, plan_serving
 
     device = resolve_device(args.device)
+    context_counted = True
     if args.gpu_memory is not None:
         try:
             device_bytes = parse_memory_size(args.gpu_memory)
@@ -399,8 +430,9 @@ def make_plan(args, quantize: str | None = None):
             raise ValueError(f"--gpu-memory: {error}") from None
         on_gpu, where = True, "--gpu-memory"
     elif device.type == "cuda":
+        torch.cuda.empty_cache()
         device_bytes, _ = torch.cuda.mem_get_info(device)
-        on_gpu, where = True, f"free on {device} ({torch.cuda.get_device_name(device)})"
+        on_gpu, where, context_counted = True, f"free on {device} ({torch.cuda.get_device_name(device)})", False
     else:
         import psutil
 
@@ -411,6 +443,7 @@ def make_plan(args, quantize: str | None = None):
     if args.adapters or args.enable_adapter_loading:  # the pool the registry will reserve
         head_dtype = getattr(torch, DTYPES[args.adapter_head_dtype])
         reserved = adapter_pool_bytes(config, dtype, args.max_adapters, args.max_adapter_rank, head_dtype)
+    tables = vocab_tables or (args.vocab_tables if args.vocab_tables != "auto" else "device")
     plan = plan_serving(
         args.weights,
         config,
@@ -421,6 +454,9 @@ def make_plan(args, quantize: str | None = None):
         on_gpu=on_gpu,
         where=where,
         reserved_bytes=reserved,
+        vocab_tables=tables if on_gpu else "device",  # on the CPU the host is the device
+        context_counted=context_counted,
+        image_max_pixels=args.image_max_pixels,
     )
     if device.type == "cuda" and args.gpu_memory is None:  # the card itself: say what its kernels are
         from dataclasses import replace
@@ -436,14 +472,28 @@ def make_plan(args, quantize: str | None = None):
 
 def check_plan(args, log) -> int | None:
     """--plan: print the plan, return its exit code. Otherwise: a plan that cannot fit raises ValueError
-    (one line: the numbers, and whether int8 weights would fit); one that fits is logged."""
+    (one line: the numbers, and whether int8 weights or host tables would fit); one that fits is logged.
+    --vocab-tables auto becomes host when only that fits (on a GPU)."""
     plan = make_plan(args)
-    int8 = make_plan(args, "int8") if not plan.fits and args.quantize != "int8" else None
-    hint = " (with --quantize int8 it fits)" if int8 is not None and int8.fits else ""
+    may_host = args.vocab_tables != "device" and plan.on_gpu
+    if not plan.fits and args.vocab_tables == "auto" and may_host:
+        hosted = make_plan(args, vocab_tables="host")
+        if hosted.fits:
+            log.info("--vocab-tables auto: the vocabulary tables go to host memory (the plan fits only so)")
+            plan = hosted
+    args.vocab_tables = plan.vocab_tables
+    hints = []
+    if not plan.fits and args.quantize != "int8":
+        int8 = make_plan(args, "int8", plan.vocab_tables)
+        if not int8.fits and may_host:
+            int8 = make_plan(args, "int8", "host")
+        if int8.fits:
+            hints.append(("--quantize int8" + (" --vocab-tables host" if int8.vocab_tables == "host" else ""), int8))
+    hint = f" (with {hints[0][0]} it fits)" if hints else ""
     if args.plan:
         print(plan.describe())
-        if hint:
-            print(f"  --quantize int8 would fit: {int8.summary()}")
+        for flags, other in hints:
+            print(f"  {flags} would fit: {other.summary()}")
         return 0 if plan.fits else EXIT_PLAN_DOES_NOT_FIT
     if not plan.fits:
         raise ValueError(f"{plan.summary()}: {plan.problem}{hint}")
@@ -509,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         import clef_cuda.ops  # noqa: F401  (applies CLEF_CPU_ISA: ValueError for a variant this CPU lacks)
 
         resolve_device(args.device)
+        resolve_dtype(args, log)
         if args.weights is None:
             from clef_cuda.model import default_model
 

@@ -51,6 +51,29 @@ class DecisionOptions:
     image_max_pixels: int | None = None  # a tighter resize budget than the release's processor (None: its own)
 
 
+def serving_dtype(device: torch.device, requested: torch.dtype | None = None) -> tuple[torch.dtype, str | None]:
+    """The activation dtype on `device`, and why, when it is not what one would guess: `requested`, else f16
+    on a GPU and f32 on the CPU, but f32 on sm_61/62 (P40, GTX 10x0: f16 arithmetic at 1/64 of the f32 rate;
+    sm_60, the P100, runs f16 at twice its f32 rate and keeps it). ValueError for bf16 on a GPU before sm_80,
+    which has no bf16 arithmetic (V100, T4: serve f16)."""
+    if device.type != "cuda":
+        return requested or torch.float32, None
+    major, minor = torch.cuda.get_device_capability(device)
+    if requested == torch.bfloat16 and major < 8:
+        raise ValueError(
+            f"--dtype bf16 needs sm_80 or newer (bf16 arithmetic); {torch.cuda.get_device_name(device)} is "
+            f"sm_{major}{minor}: serve --dtype f16"
+        )
+    if requested is not None:
+        return requested, None
+    if (major, minor) in ((6, 1), (6, 2)):
+        return torch.float32, (
+            f"serving f32 activations on sm_{major}{minor} ({torch.cuda.get_device_name(device)}): its f16 arithmetic "
+            "runs at 1/64 of its f32 rate (--dtype f16 to override)"
+        )
+    return torch.float16, None
+
+
 class Decider:
     def __init__(
         self,
@@ -88,18 +111,23 @@ class Decider:
         progress: bool = True,
         ops=None,
         quantize: str = "none",
+        vocab_tables: str = "device",
         **options: Any,
     ) -> Decider:
-        """Load a release. Defaults: the GPU if there is one, in f16 (V100 has no bf16 math); else the CPU in
-        fp32. The head runs in fp32 unless head_dtype says otherwise. quantize="int8" stores the trunk's
-        linear layers and embedding tables as int8 with per-row scales (W8A16: clef_cuda.model.quantize),
-        quantized as they load. `options` are DecisionOptions fields."""
+        """Load a release. Defaults: the GPU if there is one, in f16 (f32 on sm_61, whose f16 runs at 1/64:
+        serving_dtype); else the CPU in fp32. The head runs in fp32 unless head_dtype says otherwise.
+        quantize="int8" stores the trunk's linear layers and embedding tables as int8 with per-row scales
+        (W8A16: clef_cuda.model.quantize), quantized as they load. vocab_tables="host" keeps the embedding and
+        LM-head tables in pinned host memory, gathered by rows (clef_cuda.model.vocab_tables). `options` are
+        DecisionOptions fields."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+        dtype, _ = serving_dtype(device, dtype)
         config = load_release_config(path)
         decision_options = DecisionOptions(**options)
         tokenizer = Tokenizer.from_release(path, decision_options.client_special_tokens)
-        weights = load_release_weights(path, config, device, dtype, head_dtype, progress=progress, quantize=quantize)
+        weights = load_release_weights(
+            path, config, device, dtype, head_dtype, progress=progress, quantize=quantize, vocab_tables=vocab_tables
+        )
         trunk = Trunk(config.trunk, weights.trunk, dtype, ops=ops)
         head = JointSchemaHead(config.head, weights.head, weights.trunk["lm_head.weight"])
         vision = VisionTower(config.vision, weights.vision, dtype) if weights.vision is not None else None
@@ -108,7 +136,7 @@ class Decider:
 
     @property
     def device(self) -> torch.device:
-        return self.trunk.embed.device
+        return self.trunk.device
 
     def weight_bytes(self) -> dict[str, int]:
         """Device bytes of the loaded weights by part: trunk, embeddings, vision, head."""

@@ -37,13 +37,100 @@ def test_the_planned_weights_match_a_real_load_within_5_percent(release, dtype, 
         assert abs(planned[part] - loaded[part]) <= 0.05 * max(loaded[part], 1), (part, planned, loaded)
 
 
-def test_the_planned_cache_is_the_one_the_engine_allocates():
-    decider = Decider.from_release(RELEASES["mid"](), device="cpu", progress=False)
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_the_plan_counts_the_bytes_the_engine_allocates(quantize):
+    """Not the plan against its own formula: the tensors the engine and the trunk really hold. The KV pools and
+    state slots the engine allocated are the blocks and slots the plan's figures multiply out to, to the byte;
+    the int8 scratch is the one the plan counts; the vision cache budget is what the plan reserves."""
+    from clef_cuda.model.footprint import tensor_bytes
+
+    path = RELEASES["upstream-tiny"]()
+    decider = Decider.from_release(path, device="cpu", progress=False, quantize=quantize)
     config = EngineConfig(max_model_len=4096, kv_fraction=0.02)
     engine = Engine(decider, config)
-    # The engine split kv_fraction of what was free; the same function on that figure gives the same plan.
-    free = int(engine.plan.budget_bytes / config.kv_fraction) + 1
-    assert plan_cache(decider.config.trunk, decider.trunk.dtype, config, free) == engine.plan
+    cache = engine.plan
+    allocated = tensor_bytes(engine.cache)
+    assert (
+        allocated
+        == cache.num_blocks * cache.block_bytes + (cache.running_slots + cache.snapshot_slots) * cache.slot_bytes
+    )
+    planned = plan_serving(
+        path, decider.config, config, 8 * GiB, dtype=decider.trunk.dtype, quantize=quantize, on_gpu=False, where="x"
+    )
+    assert planned.scratch_bytes == (decider.trunk.scratch.nbytes() if quantize == "int8" else 0)
+    assert planned.reserved_bytes == engine.vision_cache.capacity_bytes == config.vision_cache_bytes
+    # The same split on the same free figure: the engine's allocation is what plan_cache promised.
+    free = int(cache.budget_bytes / config.kv_fraction) + 1
+    assert plan_cache(decider.config.trunk, decider.trunk.dtype, config, free) == cache
+
+
+def memory_probe(*args: str) -> dict:
+    """tests/memory_probe.py in a fresh process: a measured peak of anonymous memory."""
+    import json
+    from pathlib import Path
+
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "memory_probe.py"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("grid", [(128, 128), (160, 256)])
+def test_the_vision_towers_measured_peak_is_inside_the_plan(grid):
+    """The tower over one image (16k and 40k patches: several of its 4,096-patch row chunks; large enough that
+    malloc's reuse of freed memory does not hide the peak), its peak
+    of anonymous memory measured in a fresh process, is within the plan's vision_peak_bytes, and the plan is no
+    more than twice the measurement (a bound that could not hold if it were vacuous)."""
+    from clef_cuda.model.config import VisionConfig
+    from clef_cuda.serving.plan import vision_peak_bytes
+
+    config = VisionConfig(
+        depth=2,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_heads=4,
+        out_hidden_size=256,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=2304,
+    )
+    measured = memory_probe("vision", "256", "1024", "4", "2", *map(str, grid))["peak"]
+    planned = vision_peak_bytes(config, torch.float32, grid[0] * grid[1])
+    assert measured <= planned <= 2 * measured, (measured, planned)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_loadings_measured_peak_is_inside_the_plan(quantize, tmp_path):
+    """Loading a 51M-parameter release on the CPU (the int8 one quantized as it streams in), its anonymous memory
+    measured in a fresh process: within the plan's load peak (weights, the fused layer and quantize block at
+    once, the runtime allowance), and the weights within 5% of the plan's."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "int8_table", Path(__file__).parents[1] / "benchmarks" / "int8_table.py"
+    )
+    int8_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(int8_table)
+    path = int8_table.build("memory", tmp_path)
+    measured = memory_probe("load", str(path), quantize)
+    plan = plan_serving(
+        path,
+        load_release_config(path),
+        EngineConfig(),
+        8 * GiB,
+        dtype=torch.float32,
+        quantize=quantize,
+        on_gpu=False,
+        where="x",
+    )
+    assert measured["peak"] <= plan.load_peak_bytes, (measured, plan.load_peak_bytes)
+    assert abs(measured["weights"] - plan.weight_bytes) <= 0.05 * plan.weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -51,31 +138,107 @@ def flash(tmp_path_factory):
     return flash_config_release(tmp_path_factory.mktemp("flash") / "clef-flash")
 
 
-def plan(flash, gib: float, dtype=torch.float16, quantize="none", **config):
+def plan(flash, gib: float, dtype=torch.float16, quantize="none", vocab_tables="device", **config):
     config = EngineConfig(**config)
     memory = int(gib * GiB)
     return plan_serving(
-        flash, load_release_config(flash), config, memory, dtype=dtype, quantize=quantize, on_gpu=True, where="x"
+        flash,
+        load_release_config(flash),
+        config,
+        memory,
+        dtype=dtype,
+        quantize=quantize,
+        on_gpu=True,
+        where="x",
+        vocab_tables=vocab_tables,
     )
 
 
 def test_clef_flash_needs_int8_on_16_gb_cards_and_fits_in_f16_on_32_gb_ones(flash):
     f16, int8 = plan(flash, 16), plan(flash, 16, quantize="int8")
-    assert not f16.fits and "the weights" in f16.problem
+    assert not f16.fits and "loading needs" in f16.problem
     assert int8.fits and int8.cache.num_blocks * 16 >= 16384
     # The loader's count (shared/specs/memory.md's table leaves out the LM-head rows the joint head reads).
     assert 19.0e9 < f16.weight_bytes < 19.6e9 and 10.1e9 < int8.weight_bytes < 10.6e9
     assert int8.weights["vision"] == f16.weights["vision"] and int8.weights["head"] == f16.weights["head"]
     assert plan(flash, 32).fits
-    # 12 GB (RTX 3060): int8 with fewer running records and more of the rest for the cache.
-    assert not plan(flash, 12, quantize="int8").fits
-    assert plan(flash, 12, quantize="int8", max_num_seqs=2, kv_fraction=0.7).fits
     big_steps = plan(flash, 16, quantize="int8", prefill_chunk_size=16384)
     assert not big_steps.fits and "activations" in big_steps.problem
 
 
+# What torch reports as the cards' total capacity (their OOM messages; benchmarks/card_plans.py cites them).
+RTX_3060_GIB, T4_GIB = 11.75, 14.56
+
+
+def test_clef_flash_int8_on_an_rtx_3060_at_the_seeds_flags_with_the_tables_on_the_host(flash):
+    """The seed's flags (4 records, --kv-fraction 0.30, 16k tokens) on the 11.75 GiB torch sees of an RTX 3060:
+    not with the vocabulary tables on the device; with them in host memory, one full record of KV; the vision
+    tower's peak over a 16k-token image inside the plan."""
+    on_device = plan(flash, RTX_3060_GIB, quantize="int8")
+    hosted = plan(flash, RTX_3060_GIB, quantize="int8", vocab_tables="host")
+    assert not on_device.fits and hosted.fits, hosted.describe()
+    assert hosted.weights["embeddings"] == 0 and 1.8 * GiB < hosted.host_table_bytes < 2.0 * GiB
+    assert hosted.cache.num_blocks * 16 >= 16384
+    assert hosted.image_patches == 65536 and 1.4 * GiB < hosted.vision_activation_bytes < 2.0 * GiB
+    assert hosted.activation_bytes >= hosted.vision_activation_bytes
+
+
+def test_a_t4_holds_int8_clef_flash_with_the_towers_peak_and_refuses_f16_naming_int8(flash):
+    t4 = plan(flash, T4_GIB, quantize="int8")
+    assert t4.fits and t4.vision_activation_bytes > t4.trunk_activation_bytes
+    assert not plan(flash, T4_GIB).fits
+    result = clef_serve("--w", str(flash), "--plan", "--gpu-memory", f"{T4_GIB}GiB")
+    assert result.returncode == 3 and "--quantize int8" in result.stdout and "would fit" in result.stdout
+
+
+def test_the_load_peak_and_the_context_are_counted_once(flash):
+    """A card's total (--gpu-memory) still has the CUDA context to come out of it; a live device's free memory
+    does not: planning on the same figure both ways differs by the context allowance alone."""
+    from clef_cuda.serving.plan import CUDA_CONTEXT_BYTES, CUDA_WORKSPACE_BYTES
+
+    total = plan(flash, 20, quantize="int8")
+    config = EngineConfig()
+    free = plan_serving(
+        flash,
+        load_release_config(flash),
+        config,
+        20 * GiB,
+        dtype=torch.float16,
+        quantize="int8",
+        on_gpu=True,
+        where="free",
+        context_counted=False,
+    )
+    assert (
+        total.overhead_bytes == CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES
+        and free.overhead_bytes == CUDA_WORKSPACE_BYTES
+    )
+    assert total.load_peak_bytes - free.load_peak_bytes == CUDA_CONTEXT_BYTES
+    assert total.load_transient_bytes > 0 and "load peak" in total.describe()
+
+
 def clef_serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_cli_puts_the_tables_on_the_host_when_only_that_fits(flash):
+    """--vocab-tables auto (the default): host when the plan does not fit with them on the device, said in the log
+    and the plan; --vocab-tables device keeps them there and does not fit."""
+    auto = clef_serve("--w", str(flash), "--plan", "--quantize", "int8", "--gpu-memory", f"{RTX_3060_GIB}GiB")
+    assert auto.returncode == 0, auto.stdout + auto.stderr
+    assert "in pinned host memory (--vocab-tables host)" in auto.stdout and "fits: yes" in auto.stdout
+    device = clef_serve(
+        "--w",
+        str(flash),
+        "--plan",
+        "--quantize",
+        "int8",
+        "--gpu-memory",
+        f"{RTX_3060_GIB}GiB",
+        "--vocab-tables",
+        "device",
+    )
+    assert device.returncode == 3 and "pinned host memory" not in device.stdout
 
 
 def test_plan_exit_codes_and_the_int8_hint(flash):
@@ -123,3 +286,43 @@ def test_resident_weights_are_exported_by_part():
     assert set(samples) == {"trunk", "embeddings", "vision", "head", "adapters"}
     assert samples == {**decider.weight_bytes(), "adapters": 0.0}
     assert samples["vision"] > 0  # the upstream tiny release has a tower
+
+
+@pytest.mark.parametrize(
+    "capability, requested, expected, why",
+    [
+        ((6, 1), None, torch.float32, "1/64"),  # P40: f16 arithmetic at 1/64 of f32
+        ((6, 0), None, torch.float16, None),  # P100: f16 at twice its f32 rate
+        ((7, 0), None, torch.float16, None),
+        ((6, 1), torch.float16, torch.float16, None),  # asked for: as asked
+        ((8, 0), torch.bfloat16, torch.bfloat16, None),
+    ],
+)
+def test_the_serving_dtype_follows_the_card(monkeypatch, capability, requested, expected, why):
+    from clef_cuda.decider import serving_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a test card")
+    dtype, reason = serving_dtype(torch.device("cuda:0"), requested)
+    assert dtype == expected and (reason is None if why is None else why in reason)
+    assert serving_dtype(torch.device("cpu")) == (torch.float32, None)
+
+
+@pytest.mark.parametrize("capability", [(7, 0), (7, 5), (6, 1)])
+def test_bf16_before_sm_80_is_a_one_line_error_naming_f16(monkeypatch, capability):
+    """V100 and T4 have no bf16 arithmetic: refused in one line (the CLI's exit 2), naming the card and f16."""
+    import logging
+
+    from app import cli
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(cli, "resolve_device", lambda text: torch.device("cuda:0"))
+    args = cli.build_parser().parse_args(["--dtype", "bf16"])
+    with pytest.raises(
+        ValueError, match=r"--dtype bf16 needs sm_80 or newer .*Tesla V100-SXM2-16GB is sm_\d+: serve --dtype f16"
+    ):
+        cli.resolve_dtype(args, logging.getLogger("test"))
+    args = cli.build_parser().parse_args([])
+    cli.resolve_dtype(args, logging.getLogger("test"))
+    assert args.dtype == ("f32" if capability == (6, 1) else "f16")

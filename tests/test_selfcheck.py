@@ -109,10 +109,9 @@ def test_the_attention_checks_guard_the_tensor_core_kernel(sim_ops, cc):
     that kernel served with more than one new token fail. (The test releases' head dim is 32, which the
     tensor-core kernel does not tile, so the group runs on a stand-in trunk with clef-flash's shapes.)"""
     flash = SimpleNamespace(num_attention_heads=16, num_key_value_heads=4, head_dim=256)
-    trunk = SimpleNamespace(ops=sim_ops, config=flash, dtype=torch.float16, embed=torch.empty(0))
 
     def failing() -> set[str]:
-        checks = _SelfCheck.of(trunk, block_size=16, seed=0).paged_attention()
+        checks = _SelfCheck(sim_ops, flash, torch.float16, torch.device("cpu"), 16, 0).paged_attention()
         assert {c.name for c in checks} >= {"paged_attention.prefix+chunk", "paged_attention.decode_pack"}
         return {c.name for c in checks if not c.passed}
 

@@ -86,6 +86,24 @@ def test_tower_features_match_get_image_features(pair):
         assert got.shape == want.shape and (got - want).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("row_chunk", [12, 100])
+def test_the_tower_in_row_chunks_matches_get_image_features(pair, monkeypatch, row_chunk):
+    """The tower runs its row-wise steps ROW_CHUNK patches at a time (its peak memory bounded for a 16k-token
+    image): chunks far smaller than an image (12 patches, 100; chunk edges inside images and across two) give
+    the reference's features to the same 1e-6."""
+    from clef_cuda.model import vision
+
+    monkeypatch.setattr(vision, "ROW_CHUNK", row_chunk)
+    decider, (_, model, _) = pair
+    prepared = decider.prepare_images([png(300, 200, 1), png(64, 100, 2)])
+    pixel_values = torch.cat([p.pixel_values for p in prepared])
+    grid = torch.tensor([[1, *p.grid] for p in prepared])
+    with torch.inference_mode():
+        expected = model.language_model.model.get_image_features(pixel_values, grid).pooler_output
+    for got, want in zip(decider.image_features(prepared), expected, strict=True):
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-6
+
+
 def test_positions_equal_get_rope_index(pair):
     decider, reference = pair
     jsm, model, processor = reference

@@ -44,13 +44,17 @@ def planned_weights(
     quantize: str = "none",
     head_dtype: torch.dtype = torch.float32,
     has_vision: bool | None = None,
+    vocab_tables: str = "device",
 ) -> dict[str, int]:
-    """Bytes per part the loader will hold for `config` in `dtype` (int8 rows + an fp32 scale per row for
-    the quantized tensors). `has_vision`: whether the release holds the tower's tensors (default: when
-    config.json describes one)."""
+    """Bytes per part the loader will hold on the device for `config` in `dtype` (int8 rows + an fp32 scale per
+    row for the quantized tensors). `has_vision`: whether the release holds the tower's tensors (default: when
+    config.json describes one). vocab_tables="host": the embedding tables are not on the device (0; see
+    planned_host_tables)."""
     parts = dict.fromkeys(PARTS, 0)
     for name, shape in trunk_shapes(config.trunk).items():
         if name == "lm_head.weight" and config.trunk.tie_word_embeddings:
+            continue
+        if name in EMBEDDING_TABLES and vocab_tables == "host":
             continue
         part = "embeddings" if name in EMBEDDING_TABLES else "trunk"
         if quantize == "int8" and is_quantized_name(name):
@@ -63,6 +67,11 @@ def planned_weights(
             parts["vision"] += _numel(shape) * (4 if name.endswith(VISION_FP32_SUFFIXES) else dtype_bytes(dtype))
     parts["head"] = sum(_numel(shape) for shape in head_shapes(config.head).values()) * dtype_bytes(head_dtype)
     return parts
+
+
+def planned_host_tables(config: ReleaseConfig, dtype: torch.dtype, quantize: str = "none") -> int:
+    """Host bytes of the vocabulary tables under vocab_tables="host" (pinned memory)."""
+    return planned_weights(config, dtype, quantize)["embeddings"]
 
 
 def release_has_vision(config: ReleaseConfig, headers: Iterable[str]) -> bool:
@@ -119,7 +128,8 @@ def tensor_bytes(*objects) -> int:
 
 def resident_weights(trunk, head, vision) -> dict[str, int]:
     """Bytes per part of a loaded model (trunk: clef_cuda.model.trunk.Trunk; head: JointSchemaHead;
-    vision: VisionTower or None). The int8 dequantize scratch is not a weight: Trunk.scratch."""
+    vision: VisionTower or None). The int8 dequantize scratch is not a weight: Trunk.scratch. Vocabulary
+    tables in host memory (HostTable) hold no device bytes: host_table_bytes counts them."""
     tables = [trunk.embed] if trunk.lm_head is trunk.embed else [trunk.embed, trunk.lm_head]
     parts = {
         "trunk": tensor_bytes(trunk.layers, trunk.final_scale),
@@ -128,3 +138,11 @@ def resident_weights(trunk, head, vision) -> dict[str, int]:
         "head": tensor_bytes(head.w),
     }
     return parts
+
+
+def host_table_bytes(trunk) -> int:
+    """Host bytes of the vocabulary tables kept in host memory (clef_cuda.model.vocab_tables.HostTable)."""
+    from clef_cuda.model.vocab_tables import HostTable
+
+    tables = {id(t): t for t in (trunk.embed, trunk.lm_head) if isinstance(t, HostTable)}
+    return sum(t.nbytes() for t in tables.values())

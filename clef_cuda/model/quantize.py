@@ -21,6 +21,9 @@ INT8_MAX = 127
 # Elements quantized at a time while a release streams in (4 MiB of fp32 per temporary), whatever the
 # tensor's size: 256 rows at clef-flash's hidden size.
 QUANTIZE_BLOCK_ELEMENTS = 2**20
+# What quantizing adds on the device at its peak: a block of the stored weight (at most 4 bytes an element) and
+# its two fp32 temporaries. The memory plan counts it in the load's peak.
+QUANTIZE_TRANSIENT_BYTES = 3 * 4 * QUANTIZE_BLOCK_ELEMENTS
 
 # Trunk tensors stored as int8 (names relative to the text model). in_proj_b / in_proj_a are not.
 QUANTIZED_SUFFIXES = (
@@ -112,16 +115,18 @@ class Int8Weight:
         )
 
 
-def quantize_int8(weight: Tensor, dtype: torch.dtype) -> Int8Weight:
-    """Symmetric per-row int8 of a [rows, cols] weight, computed in fp32 on weight's device a block of
-    rows at a time (two fp32 temporaries of QUANTIZE_BLOCK_ELEMENTS at most): scale = absmax(row) / 127
-    (1 for an all-zero row), qweight = round(w / scale), half to even."""
+def quantize_int8(weight: Tensor, dtype: torch.dtype, device: torch.device | str | None = None) -> Int8Weight:
+    """Symmetric per-row int8 of a [rows, cols] weight, computed in fp32 on `device` (default: weight's) a block
+    of rows at a time: a block of the weight moved there and two fp32 temporaries of QUANTIZE_BLOCK_ELEMENTS
+    at most (QUANTIZE_TRANSIENT_BYTES), so a table in host memory never lands on the device whole. scale =
+    absmax(row) / 127 (1 for an all-zero row), qweight = round(w / scale), half to even."""
     rows, cols = weight.shape
-    qweight = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=weight.device)
+    device = torch.device(device) if device is not None else weight.device
+    qweight = torch.empty((rows, cols), dtype=torch.int8, device=device)
+    scale = torch.empty(rows, dtype=torch.float32, device=device)
     step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(cols, 1))
     for r0 in range(0, rows, step):
-        block = weight[r0 : r0 + step].float()  # the tensor itself when it is fp32: read only
+        block = weight[r0 : r0 + step].to(device).float()  # the tensor itself when it is fp32 there: read only
         low, high = block.aminmax(dim=1)
         absmax = torch.maximum(-low, high)
         s = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))

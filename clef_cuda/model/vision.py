@@ -5,8 +5,8 @@ patch embedding (the Conv3d with kernel = stride is a GEMM over each 1536-float 
 position grid bilinearly resampled to each image's grid, 2D rotary in fp32, `depth` pre-norm blocks with
 bidirectional attention inside each image (SDPA per image over the packed rows: varlen), then the merger
 (LayerNorm per patch, 4 patches as one row, Linear, exact GELU, Linear). All images of a step go through
-every GEMM together; only attention is per image. Matrix multiplies run in the serving dtype; the
-residual stream, norms and rotary angles in fp32.
+every GEMM together, ROW_CHUNK patches at a time; only attention is per image and whole. Matrix multiplies run
+in the serving dtype; the residual stream, norms and rotary angles in fp32.
 """
 
 from __future__ import annotations
@@ -91,12 +91,17 @@ class VisionTower:
         weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
         return raw.clamp(0, side - 1), weights
 
-    def _position_embedding(self, gh: int, gw: int) -> Tensor:
+    def _position_taps(self, gh: int, gw: int) -> tuple[Tensor, Tensor]:
+        """The 4 learned-grid rows each patch interpolates and their weights: [n, 4] each (the rows themselves
+        are gathered a chunk of patches at a time: 4 hidden-wide rows a patch would be the tower's peak)."""
         row, col = self._rows_cols(gh, gw)
         h_taps, h_weights = self._axis_taps(row, gh)
         w_taps, w_weights = self._axis_taps(col, gw)
         indices = (h_taps[:, :, None] * self.side + w_taps[:, None, :]).reshape(-1, 4)
         weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
+        return indices, weights
+
+    def _position_embedding(self, indices: Tensor, weights: Tensor) -> Tensor:
         return (self.pos_embed[indices] * weights[:, :, None].to(self.pos_embed.dtype)).sum(1)
 
     def _rotary(self, gh: int, gw: int) -> tuple[Tensor, Tensor]:
@@ -109,39 +114,65 @@ class VisionTower:
     # ---- forward --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def __call__(self, images: list[PreparedImage]) -> list[Tensor]:
-        """Feature rows [num_tokens, out_hidden] per image (serving dtype), in <|image_pad|> order."""
+        """Feature rows [num_tokens, out_hidden] per image (serving dtype), in <|image_pad|> order.
+
+        What holds every patch at once is the fp32 residual stream and each block's q, k, v and attention
+        output in the serving dtype (attention is over the whole image); everything row-wise (the patch
+        embedding, norms, the rotary's fp32 temporaries, the projections, the MLP, the merger) runs
+        ROW_CHUNK patches at a time, so the peak is bounded (clef_cuda.serving.plan.vision_peak_bytes counts
+        it) and a 16k-token image fits beside a small card's cache."""
         if not images:
             return []
         c = self.config
         lengths = [img.grid[0] * img.grid[1] for img in images]
-        pixels = torch.cat([img.pixel_values for img in images]).to(self.device, self.dtype)
-        x = F.linear(pixels, self.patch_weight, self.patch_bias).float()
-        x += torch.cat([self._position_embedding(*img.grid) for img in images]).float()
+        n, heads = sum(lengths), c.num_heads
+        # The pixels stay where they are (host memory), moved a chunk at a time; one image is not copied.
+        pixels = images[0].pixel_values if len(images) == 1 else torch.cat([img.pixel_values for img in images])
+        taps = [self._position_taps(*img.grid) for img in images]
+        tap_rows, tap_weights = torch.cat([t[0] for t in taps]), torch.cat([t[1] for t in taps])
         rotary = [self._rotary(*img.grid) for img in images]
         cos, sin = torch.cat([r[0] for r in rotary]), torch.cat([r[1] for r in rotary])
+        x = torch.empty(n, c.hidden_size, dtype=torch.float32, device=self.device)
+        for rows in _chunks(n):
+            x[rows] = F.linear(pixels[rows].to(self.device, self.dtype), self.patch_weight, self.patch_bias).float()
+            x[rows] += self._position_embedding(tap_rows[rows], tap_weights[rows]).float()
+        head_dim = c.hidden_size // heads
+        qkv = torch.empty(3, heads, n, head_dim, dtype=self.dtype, device=self.device)  # per head: SDPA's layout
+        attended = torch.empty(n, c.hidden_size, dtype=self.dtype, device=self.device)
         for block in self.blocks:
-            x = x + self._attention(block, x, lengths, cos, sin)
-            h = _layer_norm(x, block.norm2).to(self.dtype)
-            x = x + F.linear(F.gelu(F.linear(h, *block.fc1), approximate="tanh"), *block.fc2).float()
-        merged = _layer_norm(x, self.merger_norm).to(self.dtype).reshape(-1, c.hidden_size * c.spatial_merge_size**2)
-        out = F.linear(F.gelu(F.linear(merged, *self.merger_fc1)), *self.merger_fc2)
-        return list(out.split([n // c.spatial_merge_size**2 for n in lengths]))
+            for rows in _chunks(n):
+                part = F.linear(_layer_norm(x[rows], block.norm1).to(self.dtype), *block.qkv)
+                q, k, v = part.reshape(-1, 3, heads, head_dim).unbind(1)
+                qkv[0, :, rows] = _rotate(q, cos[rows], sin[rows]).to(self.dtype).transpose(0, 1)
+                qkv[1, :, rows] = _rotate(k, cos[rows], sin[rows]).to(self.dtype).transpose(0, 1)
+                qkv[2, :, rows] = v.transpose(0, 1)
+            start = 0
+            for length in lengths:  # bidirectional within each image only
+                image = slice(start, start + length)
+                out = F.scaled_dot_product_attention(qkv[0:1, :, image], qkv[1:2, :, image], qkv[2:3, :, image])
+                attended[image] = out[0].transpose(0, 1).reshape(length, -1)
+                start += length
+            for rows in _chunks(n):
+                x[rows] += F.linear(attended[rows], *block.proj).float()
+                h = _layer_norm(x[rows], block.norm2).to(self.dtype)
+                x[rows] += F.linear(F.gelu(F.linear(h, *block.fc1), approximate="tanh"), *block.fc2).float()
+        del qkv, attended
+        merge = c.spatial_merge_size**2
+        out = torch.empty(n // merge, c.out_hidden_size, dtype=self.dtype, device=self.device)
+        for rows in _chunks(n, multiple=merge):
+            merged = _layer_norm(x[rows], self.merger_norm).to(self.dtype).reshape(-1, c.hidden_size * merge)
+            merged_rows = slice(rows.start // merge, rows.stop // merge)
+            out[merged_rows] = F.linear(F.gelu(F.linear(merged, *self.merger_fc1)), *self.merger_fc2)
+        return list(out.split([length // merge for length in lengths]))
 
-    def _attention(self, block: _Block, x: Tensor, lengths: list[int], cos: Tensor, sin: Tensor) -> Tensor:
-        c = self.config
-        n, heads = x.shape[0], c.num_heads
-        qkv = F.linear(_layer_norm(x, block.norm1).to(self.dtype), *block.qkv).reshape(n, 3, heads, -1)
-        q, k, v = qkv.unbind(1)
-        q, k = _rotate(q, cos, sin).to(self.dtype), _rotate(k, cos, sin).to(self.dtype)
-        outputs, start = [], 0
-        for length in lengths:  # bidirectional within each image only
-            rows = slice(start, start + length)
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
-            )
-            outputs.append(o[0].transpose(0, 1).reshape(length, -1))
-            start += length
-        return F.linear(torch.cat(outputs), *block.proj).float()
+
+# Patches a row-wise step of the tower takes at once (clef_cuda.serving.plan counts its temporaries).
+ROW_CHUNK = 4096
+
+
+def _chunks(n: int, multiple: int = 1) -> list[slice]:
+    step = ROW_CHUNK - ROW_CHUNK % multiple
+    return [slice(start, min(start + step, n)) for start in range(0, n, step)]
 
 
 def _layer_norm(x: Tensor, weight_bias: tuple[Tensor, Tensor]) -> Tensor:

@@ -33,8 +33,12 @@ from clef_cuda.model.config import (
     VisionConfig,
 )
 from clef_cuda.model.quantize import Int8Weight, is_quantized_name, quantize_int8
+from clef_cuda.model.vocab_tables import HostTable
 
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.")
+# Where the two vocabulary tables live (--vocab-tables; auto is the CLI's, decided by the memory plan).
+VOCAB_TABLE_PLACEMENTS = ("device", "host")
+VOCAB_TABLES = ("embed_tokens.weight", "lm_head.weight")
 VISION_PREFIX = "model.visual."  # read when config.json has a vision_config, else skipped
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -304,13 +308,14 @@ def _place(
 def _quantized(
     name: str, tensor: torch.Tensor, expected: tuple[int, ...], dtype: torch.dtype, device, path: Path
 ) -> Int8Weight:
-    """The int8 copy of a linear weight or table, computed on `device` from the stored dtype (bf16: the
-    only full-size temporary is the tensor itself, 2 bytes a weight)."""
+    """The int8 copy of a linear weight or table on `device`, computed there a block of rows at a time from the
+    stored tensor in host memory (quantize_int8): the device never holds the stored tensor, only its int8 copy
+    and one block's temporaries (QUANTIZE_TRANSIENT_BYTES, which the memory plan counts)."""
     if tuple(tensor.shape) != expected:
         raise ReleaseError(f"{path}: tensor {name} has shape {list(tensor.shape)}, expected {list(expected)}")
     if not tensor.is_floating_point():
         raise ReleaseError(f"{path}: tensor {name} has dtype {tensor.dtype}, expected a floating-point type")
-    return quantize_int8(tensor.to(device), dtype)
+    return quantize_int8(tensor, dtype, device=device)
 
 
 def load_release_weights(
@@ -321,9 +326,13 @@ def load_release_weights(
     head_dtype: torch.dtype = torch.float32,
     progress: bool = True,
     quantize: str = "none",
+    vocab_tables: str = "device",
 ) -> ReleaseWeights:
     """Stream the trunk (in `dtype`, fp32 for norms/decays/conv; with quantize="int8" its linear layers
-    and embedding tables as int8) and head (in `head_dtype`) onto `device`."""
+    and embedding tables as int8) and head (in `head_dtype`) onto `device`. vocab_tables="host": the embedding
+    and LM-head tables stay in (pinned) host memory as HostTables (clef_cuda.model.vocab_tables)."""
+    if vocab_tables not in VOCAB_TABLE_PLACEMENTS:
+        raise ValueError(f"vocab_tables must be one of {VOCAB_TABLE_PLACEMENTS}, got {vocab_tables!r}")
     from tqdm import tqdm
 
     if quantize not in QUANTIZE_MODES:
@@ -368,10 +377,14 @@ def load_release_weights(
                     raise ReleaseError(f"{path}: unexpected tensor {name} (not part of the configured trunk)")
                 if key in trunk:
                     raise ReleaseError(f"{path}: tensor {name} appears twice in the release")
+                # The vocabulary tables on the host are built there, then wrapped (rows go to `device`).
+                where = "cpu" if vocab_tables == "host" and key in VOCAB_TABLES else device
                 if quantize == "int8" and is_quantized_name(key):
-                    trunk[key] = _quantized(name, tensor, expected_trunk[key], dtype, device, path)
+                    trunk[key] = _quantized(name, tensor, expected_trunk[key], dtype, where, path)
                 else:
-                    trunk[key] = _place(name, tensor, expected_trunk[key], serving_dtype_for(key, dtype), device, path)
+                    trunk[key] = _place(name, tensor, expected_trunk[key], serving_dtype_for(key, dtype), where, path)
+                if where != device:
+                    trunk[key] = HostTable(trunk[key], device)
                 del tensor
                 bar.update(1)
         for name, tensor in _tensors(head_path, None):

@@ -131,11 +131,17 @@ class _Sequence:
         return self.ticket.adapter.digest if self.ticket.adapter is not None else b""
 
 
+def _on_host(rows: torch.Tensor) -> torch.Tensor:
+    """A host copy of device rows (pinned, so a step's copy back is asynchronous); host rows as they are."""
+    return rows if rows.device.type == "cpu" else rows.to("cpu").pin_memory()
+
+
 def plan_memory(decider: Decider, config: EngineConfig, reserved_bytes: int = 0) -> CachePlan:
     """Split kv_fraction of the free device memory (after `reserved_bytes`: the adapter pool) into state
     slots, prefix snapshots and KV blocks (clef_cuda.serving.plan.plan_cache)."""
     device = decider.device
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # what loading cached and freed is free, not used
         free, _ = torch.cuda.mem_get_info(device)
     else:
         import psutil
@@ -589,7 +595,9 @@ class Engine:
 
     def _attach_features(self, admitted: list[_Sequence]) -> None:
         """Tower outputs for the images whose tokens the admitted records will prefill: from the vision
-        cache, else one tower call for all of them (each distinct image once)."""
+        cache, else the tower, one image at a time (its peak bounded by the largest image, as the memory plan
+        counts it), each distinct image once. The records hold host copies until their prefill reaches them
+        (a step copies its own rows over), so waiting features never crowd the device."""
         features: dict[bytes, torch.Tensor] = {}
         needed: dict[bytes, PreparedImage] = {}
         for seq in admitted:
@@ -605,12 +613,14 @@ class Engine:
                     features[span.digest] = rows
         if needed:
             started = time.perf_counter()
-            for digest, rows in zip(needed, self.decider.image_features(list(needed.values())), strict=True):
+            for digest, image in needed.items():
+                (rows,) = self.decider.image_features([image])
                 self.vision_cache.put(digest, rows)
                 features[digest] = rows
             self.vision_seconds += time.perf_counter() - started
+        held = {digest: _on_host(rows) for digest, rows in features.items()}
         for seq in admitted:
-            seq.features = [None if span.end <= seq.position else features[span.digest] for span in seq.record.media]
+            seq.features = [None if span.end <= seq.position else held[span.digest] for span in seq.record.media]
 
     def _restore(self, entry: PrefixEntry, slot: int, inputs: HeadInputs, layout: RecordLayout, spans) -> None:
         cache = self.cache

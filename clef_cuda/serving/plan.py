@@ -1,14 +1,18 @@
 """The memory plan: what a release needs on a device before anything loads, and how the cache budget is
 split once it has.
 
-`plan_serving` reads only the release's config.json and safetensors headers: weights by part (int8 or
-not), the int8 dequantize scratch, one step's activations, an allowance for the CUDA context, then the
-cache --kv-fraction buys from what is left (state slots and KV blocks, as the engine will split it). It
-fits when the weights leave room for one full-length record's cache and the step's activations.
-`clef-serve --plan` prints it (exit 0 fits, 3 does not); at start-up the same plan runs against the
-device and a model that cannot fit is a one-line error (exit 2) that names the numbers and says
-whether int8 weights would fit. `plan_cache` is the split the engine applies to the measured free
-memory after loading.
+`plan_serving` reads only the release's config.json, safetensors headers and image-processor settings:
+weights by part (int8 or not; the two vocabulary tables on the device or in host memory), the int8
+dequantize scratch, the load's peak (the weights plus what fusing and quantizing add at once), one step's
+activations (the trunk's, or the vision tower's over the largest image the processor allows, whichever is
+larger, plus one step's image features: the records hold theirs in host memory), the CUDA context
+(counted when the memory planned for is a card's total, as --gpu-memory and the card table give it; already
+gone from a live device's free memory) and the workspaces, then the cache --kv-fraction buys from what is
+left (state slots and KV blocks, as the engine will split it). It fits when the load's peak fits and the
+weights leave room for one full-length record's cache and the step's activations. `clef-serve --plan`
+prints it (exit 0 fits, 3 does not); at start-up the same plan runs against the device and a model that
+cannot fit is a one-line error (exit 2) that names the numbers and says whether int8 weights or host
+tables would fit. `plan_cache` is the split the engine applies to the measured free memory after loading.
 """
 
 from __future__ import annotations
@@ -19,16 +23,30 @@ from pathlib import Path
 
 import torch
 
-from clef_cuda.model.config import ReleaseConfig, TrunkConfig
-from clef_cuda.model.footprint import dtype_bytes, largest_quantized_weight, planned_weights, release_has_vision
+from clef_cuda.model.config import ReleaseConfig, TrunkConfig, VisionConfig
+from clef_cuda.model.footprint import (
+    dtype_bytes,
+    largest_quantized_weight,
+    planned_host_tables,
+    planned_weights,
+    release_has_vision,
+)
+from clef_cuda.model.quantize import QUANTIZE_TRANSIENT_BYTES
 from clef_cuda.model.trunk_cache import TrunkCache
+from clef_cuda.model.vision import ROW_CHUNK as VISION_ROW_CHUNK
 from clef_cuda.model.weights import release_headers
+from clef_cuda.request.images import load_processor_config
 
 GiB = 2**30
 MiB = 2**20
-# CUDA context, cuBLAS/cuDNN workspaces and allocator slack: an allowance (not measured here; a GPU run of
-# scripts/gpu_check.sh prints the real figure).
-CUDA_OVERHEAD_BYTES = 768 * MiB
+# The CUDA context torch creates (its modules loaded lazily, CUDA 11.7+): an allowance, counted when the memory
+# planned for is a card's total capacity; a live device's free memory has it taken out already.
+CUDA_CONTEXT_BYTES = 512 * MiB
+# cuBLAS/cuDNN workspaces and the caching allocator's slack: counted always on a GPU.
+CUDA_WORKSPACE_BYTES = 256 * MiB
+CUDA_OVERHEAD_BYTES = CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES
+# On the CPU the memory planned for also holds the tokenizer, the image processor and the runtimes' own buffers.
+HOST_RUNTIME_BYTES = 64 * MiB
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(b|kb|kib|mb|mib|gb|gib|tb|tib)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30, "tb": 10**12}
 _UNITS["tib"] = 2**40
@@ -76,6 +94,9 @@ def plan_cache(trunk: TrunkConfig, dtype: torch.dtype, config, free_bytes: int, 
     running = config.max_num_seqs
     snapshot_budget = int(config.snapshot_fraction * budget) if config.prefix_cache else 0
     snapshots = min(config.max_snapshots, snapshot_budget // max(slot_bytes, 1)) if config.prefix_cache else 0
+    # Prefix snapshots are a cache: on a small budget they give way until one full-length record's blocks fit.
+    spare = budget - running * slot_bytes - blocks_per_record * block_bytes
+    snapshots = max(0, min(snapshots, spare // max(slot_bytes, 1)))
     blocks = (budget - running * slot_bytes - snapshots * slot_bytes) // block_bytes
     # More blocks than every running record at full length plus as much again for cached prefixes can
     # never be used: do not allocate (and, on the CPU, commit) them.
@@ -105,6 +126,37 @@ def step_activation_bytes(trunk: TrunkConfig, dtype: torch.dtype, tokens: int) -
     return residual + max(layers)
 
 
+# The tower's live tensors times this: what an allocator holds beyond them (the caching allocator's rounding and
+# fragmentation on a GPU, malloc's on the CPU; measured: tests/test_plan.py, up to 1.1x on the CPU).
+VISION_MARGIN = 1.25
+
+
+def vision_peak_bytes(vision: VisionConfig, dtype: torch.dtype, patches: int) -> int:
+    """The vision tower's largest live tensors over one image of `patches` patches (the engine runs the tower an
+    image at a time), read off clef_cuda.model.vision's code. Held for every patch: the fp32 residual stream, each
+    block's q, k, v and attention output in the serving dtype with SDPA's output and its reshaped copy, the
+    rotary angles and position-grid taps, the output features. Held for ROW_CHUNK patches at a time: the larger
+    of the qkv step (the fp32 norm and its cast, the fused qkv, the fp32 rotary temporaries) and the MLP step
+    (the projection and its fp32 add, the norm and its cast, fc1 and its GELU in `intermediate`, fc2 and its
+    fp32 add). The pixels stay
+    in host memory and come over a chunk at a time."""
+    h, i, w = vision.hidden_size, vision.intermediate_size, dtype_bytes(dtype)
+    head_dim = h // vision.num_heads
+    merge = vision.spatial_merge_size**2
+    whole = 4 * h + 6 * w * h + 2 * 4 * head_dim + 4 * (8 + 4) + vision.out_hidden_size * w // merge
+    patch_row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    qkv_step = (4 + w + 3 * w + 20) * h + patch_row * 4
+    mlp_step = (w + 4 + 4 + w + w + 4) * h + 2 * w * i
+    live = patches * whole + min(patches, VISION_ROW_CHUNK) * max(qkv_step, mlp_step)
+    return int(VISION_MARGIN * live)
+
+
+def image_feature_bytes(trunk: TrunkConfig, dtype: torch.dtype, step_tokens: int) -> int:
+    """Image features on the device at once: one step's rows (the records hold theirs in host memory until their
+    prefill reaches them, clef_cuda.serving.engine)."""
+    return step_tokens * trunk.hidden_size * dtype_bytes(dtype)
+
+
 def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
@@ -120,13 +172,22 @@ class ServingPlan:
     scratch_bytes: int  # the int8 dequantize buffer (0 without int8)
     activation_bytes: int  # one step
     step_tokens: int
-    overhead_bytes: int  # CUDA context allowance (0 on the CPU)
+    overhead_bytes: int  # CUDA context (when counted) and workspaces (0 on the CPU)
     reserved_bytes: int  # adapters' pool, the vision cache
     cache: CachePlan | None  # None when the weights leave too little
     problem: str | None  # why it does not fit (None: it fits)
     block_size: int
     max_model_len: int
     kernels: str | None = None  # the attention tiles of the device planned on, when it is a real GPU
+    vocab_tables: str = "device"  # where the embedding and LM-head tables live
+    host_table_bytes: int = 0  # their pinned host memory, when on the host
+    load_transient_bytes: int = 0  # what loading adds at its peak beyond the weights (a fused layer, a quantize block)
+    trunk_activation_bytes: int = 0  # one trunk step
+    vision_activation_bytes: int = 0  # the tower over the largest image (0 without a tower)
+    feature_bytes: int = 0  # image features the running records hold
+    image_patches: int = 0  # patches of the largest image the processor allows
+    context_counted: bool = True  # whether overhead_bytes includes the CUDA context
+    on_gpu: bool = True  # a GPU's plan (where the vocabulary tables can go to host memory)
 
     @property
     def fits(self) -> bool:
@@ -135,6 +196,11 @@ class ServingPlan:
     @property
     def weight_bytes(self) -> int:
         return sum(self.weights.values())
+
+    @property
+    def load_peak_bytes(self) -> int:
+        """The device's peak while the weights load: all of them, the largest transient, the context."""
+        return self.weight_bytes + self.load_transient_bytes + self.overhead_bytes
 
     def describe(self) -> str:
         gib = _size
@@ -145,11 +211,28 @@ class ServingPlan:
             f"memory plan: {self.release} on {gib(self.device_bytes)} ({self.where}), {kind}{dtype} activations",
             f"  weights        {gib(self.weight_bytes):>10}  ({parts})",
         ]
+        if self.vocab_tables == "host":
+            lines.append(
+                f"  vocab tables   {gib(self.host_table_bytes):>10}  in pinned host memory (--vocab-tables host)"
+            )
         if self.scratch_bytes:
             lines.append(f"  int8 scratch   {gib(self.scratch_bytes):>10}  (the largest fused layer, dequantized)")
-        lines.append(f"  activations    {gib(self.activation_bytes):>10}  (one step: {self.step_tokens} tokens)")
-        if self.overhead_bytes:
-            lines.append(f"  CUDA overhead  {gib(self.overhead_bytes):>10}  (context and workspaces: an allowance)")
+        step = f"the trunk {gib(self.trunk_activation_bytes)} for {self.step_tokens} tokens"
+        if self.vision_activation_bytes:
+            step += f"; the vision tower {gib(self.vision_activation_bytes)} for one {self.image_patches}-patch image"
+            step += f", + {gib(self.feature_bytes)} of a step's image features (the rest wait in host memory)"
+        lines.append(f"  activations    {gib(self.activation_bytes):>10}  (the larger step: {step})")
+        if self.on_gpu:
+            what = "context and workspaces" if self.context_counted else "workspaces; the context is already gone"
+            lines.append(f"  CUDA overhead  {gib(self.overhead_bytes):>10}  ({what}: an allowance)")
+        else:
+            lines.append(
+                f"  runtime        {gib(self.overhead_bytes):>10}  (tokenizer, processor, runtimes: an allowance)"
+            )
+        lines.append(
+            f"  load peak      {gib(self.load_peak_bytes):>10}  (weights + {gib(self.load_transient_bytes)} while "
+            "fusing and quantizing + overhead)"
+        )
         if self.reserved_bytes:
             lines.append(f"  reserved       {gib(self.reserved_bytes):>10}  (adapter pool, vision cache)")
         if self.cache is not None:
@@ -181,19 +264,43 @@ def plan_serving(
     where: str,
     head_dtype: torch.dtype = torch.float32,
     reserved_bytes: int = 0,
+    vocab_tables: str = "device",
+    context_counted: bool = True,
+    image_max_pixels: int | None = None,
 ) -> ServingPlan:
-    """The plan for `release` (config and headers only) on `device_bytes` of memory, with the engine's
-    settings `engine_config` (an EngineConfig)."""
-    has_vision = release_has_vision(config, release_headers(Path(release)))
-    weights = planned_weights(config, dtype, quantize, head_dtype, has_vision=has_vision)
+    """The plan for `release` (config, headers and processor settings only) on `device_bytes` of memory, with
+    the engine's settings `engine_config` (an EngineConfig). context_counted: device_bytes is a card's total
+    (the CUDA context still to come out of it), not a live device's free memory. image_max_pixels: the resize
+    budget per image (default: the release's processor's)."""
+    release = Path(release)
+    has_vision = release_has_vision(config, release_headers(release))
+    weights = planned_weights(config, dtype, quantize, head_dtype, has_vision=has_vision, vocab_tables=vocab_tables)
+    host_tables = planned_host_tables(config, dtype, quantize) if vocab_tables == "host" else 0
     scratch = largest_quantized_weight(config) * dtype_bytes(dtype) if quantize == "int8" else 0
+    # Loading's peak beyond the weights: the trunk fuses each layer's projections into one weight (the parts and
+    # the fused copy exist at once: the largest fused layer again), and int8 quantizes a block at a time.
+    fused = largest_quantized_weight(config) * (1 if quantize == "int8" else dtype_bytes(dtype))
+    transient = fused + (QUANTIZE_TRANSIENT_BYTES if quantize == "int8" else 0)
     tokens = engine_config.max_num_seqs * engine_config.prefill_chunk_size
-    activations = step_activation_bytes(config.trunk, dtype, tokens)
-    overhead = CUDA_OVERHEAD_BYTES if on_gpu else 0
+    trunk_step = step_activation_bytes(config.trunk, dtype, tokens)
+    vision_step = features = patches = 0
+    if has_vision:
+        processor = load_processor_config(release)
+        max_pixels = image_max_pixels or (processor.max_pixels if processor is not None else 16 * 2**20)
+        patches = max_pixels // config.vision.patch_size**2
+        vision_step = vision_peak_bytes(config.vision, dtype, patches)
+        features = image_feature_bytes(config.trunk, dtype, tokens)
+    activations = max(trunk_step, vision_step) + features
+    overhead = (CUDA_WORKSPACE_BYTES + (CUDA_CONTEXT_BYTES if context_counted else 0)) if on_gpu else HOST_RUNTIME_BYTES
     reserved = reserved_bytes + (engine_config.vision_cache_bytes if has_vision else 0)
     free = device_bytes - sum(weights.values()) - scratch - overhead - reserved
     cache, problem = None, None
-    if free <= 0:
+    if sum(weights.values()) + transient + overhead > device_bytes:
+        problem = (
+            f"loading needs {(sum(weights.values()) + transient + overhead) / GiB:.2f} GiB at its peak (the weights, "
+            f"what quantizing adds at once, the CUDA overhead)"
+        )
+    elif free <= 0:
         problem = f"the weights and what is reserved beside them need {(device_bytes - free) / GiB:.2f} GiB"
     else:
         try:
@@ -204,6 +311,7 @@ def plan_serving(
             problem = (
                 f"one step's activations ({activations / GiB:.2f} GiB) do not fit beside a --kv-fraction "
                 f"{engine_config.kv_fraction} cache; lower --prefill-chunk-size or --max-num-seqs"
+                + (", or --image-max-pixels" if vision_step > trunk_step else "")
             )
     return ServingPlan(
         str(release),
@@ -221,4 +329,13 @@ def plan_serving(
         problem,
         engine_config.block_size,
         engine_config.max_model_len,
+        vocab_tables=vocab_tables,
+        host_table_bytes=host_tables,
+        load_transient_bytes=transient,
+        trunk_activation_bytes=trunk_step,
+        vision_activation_bytes=vision_step,
+        feature_bytes=features,
+        image_patches=patches,
+        context_counted=context_counted,
+        on_gpu=on_gpu,
     )

@@ -65,7 +65,7 @@ def trial_spec(trunk, config, mode: str, buckets) -> dict:
     """What the child needs to rebuild the tune from the config alone."""
     from clef_cuda import ops
 
-    device = trunk.embed.device
+    device = trunk.device
     return {
         "device": str(device) if device.type != "cuda" else f"cuda:{device.index or 0}",
         "dtype": str(trunk.dtype).removeprefix("torch."),
@@ -106,7 +106,7 @@ def tune_in_trials(trunk, config, mode: str, buckets, key: dict):
             break  # it died outside any unit: starting it again would do the same
     # No trial process got through: nothing not seen to pass may run here.
     log.error("the kernel trial process failed (%s): every kernel not seen to pass runs the reference ops", why)
-    for kernel in all_kernels(trunk.embed.device):
+    for kernel in all_kernels(trunk.device):
         if kernel not in passed and kernel not in failures:
             failures[kernel] = f"untried: the trial process failed ({why})"
     report = AutotuneReport(mode, key, failures=failures, trials="child")
@@ -130,8 +130,11 @@ def run_child(spec: dict) -> ChildOutcome:
             stderr=stderr,
             text=True,
         )
-        process.stdin.write(json.dumps(spec))
-        process.stdin.close()
+        try:
+            process.stdin.write(json.dumps(spec))
+            process.stdin.close()
+        except OSError:  # it died before reading its spec (BrokenPipeError): how it ended is read below
+            pass
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in process.stdout] + [lines.put(None)], daemon=True).start()
         started = False
