@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """What clef-flash gets on each card people own: the memory plan (clef_cuda.serving.plan, what
-`clef-serve --plan --gpu-memory ...` prints) at clef-flash's shapes for the card's usable memory, with and
-without int8 weights, and the attention kernels its compute capability and shared memory give it
-(the launcher's own tile rule, clef_cuda.ops.paged_attention_tiles). No weights are needed: a config-only release is
-written to a temporary directory. Prints a table.
+`clef-serve --plan --gpu-memory ...` prints) at clef-flash's shapes for the capacity torch reports for the card
+(cited per card below), with and without int8 weights, the vocabulary tables on the device or, where only that
+fits, in host memory (--vocab-tables auto), and the attention kernels its compute capability and shared memory
+give it (the launcher's own tile rule, clef_cuda.ops.paged_attention_tiles). No weights are needed: a config-only
+release is written to a temporary directory. Prints a table.
 
     python benchmarks/card_plans.py
 """
@@ -18,19 +19,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "tests"))
 
-# (card, usable memory in MiB as nvidia-smi reports the total, compute capability, shared memory a block
-# with the opt-in, activation dtype it should serve in)
+# (card, the total capacity torch reports for it in GiB (the figure its out-of-memory messages print, on Linux:
+# what the plan may count on, below nvidia-smi's total), compute capability, shared memory a block with the
+# opt-in in KB, the activation dtype it should serve in, where the capacity was read). The lowest figure seen
+# for the card is used (P40: 22.38 with ECC on, 23.87 without).
 CARDS = [
-    ("P40", 24451, 61, 48, "f32"),  # f16 at 1/64 of the f32 rate: int8 weights, f32 activations
-    ("P100 16GB", 16280, 60, 48, "f16"),
-    ("V100 16GB", 16160, 70, 96, "f16"),
-    ("V100 32GB", 32510, 70, 96, "f16"),
-    ("T4", 15360, 75, 64, "f16"),
-    ("RTX 3060 12GB", 12288, 86, 99, "f16"),
-    ("RTX 4060 Ti 16GB", 16380, 89, 99, "f16"),
-    ("L4", 23034, 89, 99, "f16"),
-    ("A100 40GB", 40960, 80, 163, "bf16"),
-    ("H100 80GB", 81559, 90, 227, "bf16"),
+    ("P40", 22.38, 61, 48, "f32", "github.com/LinkSoul-AI/Chinese-Llama-2-7b/issues/56"),
+    (
+        "P100 16GB",
+        15.90,
+        60,
+        48,
+        "f16",
+        "Colab's OOM messages (github.com/googlecolab/colabtools/issues/1761); nvidia-smi 16,280 MiB",
+    ),
+    (
+        "V100 16GB",
+        15.75,
+        70,
+        96,
+        "f16",
+        "github.com/XuyangBai/TransFusion/issues/49 (15.78: kchengiva/Shift-GCN/issues/34)",
+    ),
+    ("V100 32GB", 31.73, 70, 96, "f16", "github.com/kvcache-ai/ktransformers/issues/526"),
+    ("T4", 14.56, 75, 64, "f16", "github.com/Zheng-Chong/CatVTON/issues/133 (Colab: 14.75)"),
+    ("RTX 3060 12GB", 11.75, 86, 99, "f16", "github.com/Kunhao-Liu/StyleGaussian/issues/12"),
+    ("RTX 4060 Ti 16GB", 15.55, 89, 99, "f16", "github.com/boson-ai/higgs-audio/issues/48"),
+    ("L4", 22.03, 89, 99, "f16", "github.com/ArcInstitute/evo2/issues/190"),
+    ("A100 40GB", 39.50, 80, 163, "bf16", "github.com/TianheWu/CoSeR/issues/10 (39.56: threestudio/issues/402)"),
+    ("A100 80GB", 79.25, 80, 163, "bf16", "github.com/wbfwonderful/Vad-R1/issues/11"),
+    ("H100 80GB", 79.11, 90, 227, "bf16", "github.com/vllm-project/vllm/issues/27508"),
 ]
 DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
@@ -43,42 +61,47 @@ def main() -> int:
     from clef_cuda import ops
     from clef_cuda.model.config import load_release_config
     from clef_cuda.serving.engine import EngineConfig
-    from clef_cuda.serving.plan import MiB, plan_serving
+    from clef_cuda.serving.plan import GiB, plan_serving
 
     with tempfile.TemporaryDirectory() as tmp:
         release = flash_config_release(Path(tmp) / "clef-flash")
         config = load_release_config(release)
 
-        def plan(card_mib: int, dtype: str, quantize: str, **engine):
+        def plan(card_gib: float, dtype: str, quantize: str, tables: str = "device", **engine):
             return plan_serving(
                 release,
                 config,
                 EngineConfig(**engine),
-                card_mib * MiB,
+                int(card_gib * GiB),
                 dtype=getattr(torch, DTYPES[dtype]),
                 quantize=quantize,
                 on_gpu=True,
                 where="card",
+                vocab_tables=tables,
             )
+
+        def auto(card_gib: float, dtype: str, quantize: str, **engine):
+            """--vocab-tables auto: on the device, else in host memory when only that fits."""
+            on_device = plan(card_gib, dtype, quantize, **engine)
+            hosted = plan(card_gib, dtype, quantize, "host", **engine)
+            return on_device if on_device.fits or not hosted.fits else hosted
 
         def cell(p) -> str:
             if not p.fits:
-                return f"no ({p.weight_bytes / 2**30:.1f} GiB weights)"
-            return f"yes, {p.cache.num_blocks * 16 // 1024}k KV tokens"
+                return f"no ({p.weight_bytes / GiB:.1f} GiB weights)"
+            where = ", tables on host" if p.vocab_tables == "host" else ""
+            return f"yes, {p.cache.num_blocks * 16 // 1024}k KV{where}"
 
-        print("\nclef-flash (16k-token records, --max-num-seqs 4, --kv-fraction 0.30 unless noted) by card")
-        header = f"{'card':18s} {'MiB':>6s} {'cc':>3s} {'dtype':>5s} {'weights as stored':>26s}"
-        print(header + f" {'--quantize int8':>26s}  prefill attention at D = 256")
-        for name, mib, cc, smem, dtype in CARDS:
-            stored, int8 = plan(mib, dtype, "none"), plan(mib, dtype, "int8")
-            note = ""
-            if not int8.fits:  # what it takes: fewer running records, more of the rest for the cache
-                tuned = plan(mib, dtype, "int8", max_num_seqs=2, kv_fraction=0.7)
-                note = " (with --max-num-seqs 2 --kv-fraction 0.7: " + cell(tuned) + ")"
+        print("\nclef-flash (16k-token records, --max-num-seqs 4, --kv-fraction 0.30) by card, at torch's capacity")
+        header = f"{'card':18s} {'GiB':>6s} {'cc':>3s} {'dtype':>5s} {'weights as stored':>30s}"
+        print(header + f" {'--quantize int8':>30s}  prefill attention at D = 256")
+        for name, gib, cc, smem, dtype, _ in CARDS:
+            stored, int8 = auto(gib, dtype, "none"), auto(gib, dtype, "int8")
             print(
-                f"{name:18s} {mib:>6d} {cc:>3d} {dtype:>5s} {cell(stored):>26s} {cell(int8):>26s}  "
-                f"{ops.paged_attention_tiles(256, cc, smem * 1024)}{note}"
+                f"{name:18s} {gib:>6.2f} {cc:>3d} {dtype:>5s} {cell(stored):>30s} {cell(int8):>30s}  "
+                f"{ops.paged_attention_tiles(256, cc, smem * 1024)}"
             )
+        print("\ncapacities: " + "; ".join(f"{name} {gib} GiB ({source})" for name, gib, _, _, _, source in CARDS))
     return 0
 
 
