@@ -93,6 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
         "while loading; about half the f16 weights: clef-flash on 12-16 GB cards)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tensor_parallel_size",
+        type=int,
+        default=1,
+        help="shard the trunk over this many cards of this machine (1, 2, 4: --d and the next ones; the heads "
+        "must divide), each run by a worker process clef-serve starts; on the CPU the workers share it",
+    )
+    p.add_argument(
+        "--tensor-parallel-timeout",
+        type=_duration,
+        default=60.0,
+        help="a step's collective that takes longer (a hung rank) fails the group: /ready 503, then exit 5",
+    )
+    p.add_argument(
         "--vocab-tables",
         choices=VOCAB_TABLES,
         default="auto",
@@ -214,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--shadow-max-mismatches", type=_positive_int, default=1, help="mismatches before enforce mode stops answering"
     )
     p.add_argument(
+        "--shadow-min-interval",
+        type=_duration,
+        default=300.0,
+        help="under a load that leaves no idle time: once no sample finished for this long (default 5m), steps "
+        "give the shadow run a chunk, at most 2%% of their time ('off': never)",
+    )
+    p.add_argument(
         "--selfcheck-only",
         action="store_true",
         help="load the model, run the on-device self-check, print its table and exit 0 (passed) or 1 (failed)",
@@ -299,6 +321,11 @@ def make_decider(args):
 
     device = resolve_device(args.device)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    group = None
+    if args.tensor_parallel_size > 1:
+        from clef_cuda.serving.tensor_parallel import TensorParallel
+
+        group = TensorParallel(args.tensor_parallel_size, timeout=args.tensor_parallel_timeout or 60.0)
     return Decider.from_release(
         args.weights,
         device=device,
@@ -312,7 +339,34 @@ def make_decider(args):
         progress=args.log_format == "text",  # a progress bar is not a JSON line
         quantize=args.quantize,
         vocab_tables=args.vocab_tables if args.vocab_tables != "auto" else "device",
+        tensor_parallel=group,
     )
+
+
+def check_tensor_parallel(args, release, log) -> None:
+    """--tensor-parallel-size: before the load, one line for what cannot shard (the heads, the cards, the
+    variants); the autotune turned off (every rank runs the default kernels)."""
+    import torch
+
+    from clef_cuda.model.shard import check_shardable
+
+    size = args.tensor_parallel_size
+    check_shardable(release.trunk, size)
+    if size == 1:
+        return
+    if args.adapters or args.enable_adapter_loading:
+        raise ValueError(
+            f"--tensor-parallel-size {size}: LoRA variants (--adapter, --enable-adapter-loading) are not sharded "
+            "across ranks yet; serve them with --tensor-parallel-size 1"
+        )
+    device = resolve_device(args.device)
+    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        raise ValueError(
+            f"--tensor-parallel-size {size} from {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    if args.autotune != "off":
+        log.info("--tensor-parallel-size %d: no start-up autotune, every rank runs the default kernels", size)
+        args.autotune = "off"
 
 
 def parse_adapters(values: list[str]) -> list[tuple[str, str]]:
@@ -371,7 +425,7 @@ def engine_config(args):
     from clef_cuda.serving.shadow import ShadowConfig
 
     return EngineConfig(
-        shadow=ShadowConfig(args.shadow_rate, args.shadow_mode, args.shadow_max_mismatches),
+        shadow=ShadowConfig(args.shadow_rate, args.shadow_mode, args.shadow_max_mismatches, args.shadow_min_interval),
         selfcheck_interval=args.selfcheck_interval if args.selfcheck != "off" else None,
         selfcheck_mode=args.selfcheck,
         max_num_seqs=args.max_num_seqs,
@@ -439,6 +493,12 @@ def make_plan(args, quantize: str | None = None, vocab_tables: str | None = None
         device_bytes, on_gpu, where = psutil.virtual_memory().available, False, "available host memory"
     dtype = getattr(torch, DTYPES[args.dtype or ("f16" if on_gpu else "f32")])
     config = load_release_config(args.weights)
+    if args.tensor_parallel_size > 1:  # rank 0's share, the most any rank holds (it alone has the tables, tower, head)
+        from dataclasses import replace
+
+        from clef_cuda.model.shard import local_config
+
+        config = replace(config, trunk=local_config(config.trunk, args.tensor_parallel_size))
     reserved = 0
     if args.adapters or args.enable_adapter_loading:  # the pool the registry will reserve
         head_dtype = getattr(torch, DTYPES[args.adapter_head_dtype])
@@ -491,6 +551,11 @@ def check_plan(args, log) -> int | None:
             hints.append(("--quantize int8" + (" --vocab-tables host" if int8.vocab_tables == "host" else ""), int8))
     hint = f" (with {hints[0][0]} it fits)" if hints else ""
     if args.plan:
+        if args.tensor_parallel_size > 1:
+            print(
+                f"tensor parallel: rank 0 of {args.tensor_parallel_size}, on each card as given (the other ranks "
+                "hold the same trunk shard and cache, without the vocabulary tables, vision tower and head)"
+            )
         print(plan.describe())
         for flags, other in hints:
             print(f"  {flags} would fit: {other.summary()}")
@@ -573,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--w {args.weights}: not a directory (expected a clef-flash release)")
             description = "clef-flash System One decision model"  # never where it lives (a server path)
         check_adapters(args, load_release_config(args.weights))
+        check_tensor_parallel(args, load_release_config(args.weights), log)
         check_not_prequantized(args.weights)
         planned = check_plan(args, log)
     except (ValueError, ImportError, ReleaseError, AdapterError) as error:

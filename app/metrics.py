@@ -120,7 +120,7 @@ class Metrics:
         self.shadow_checks = Counter(
             "clef_shadow_checks",
             "Answered records re-decided on the reference ops, by result: match, mismatch, or dropped (a sample "
-            "that met real work, or came while another waited)",
+            "that found the queue full or waited past its age)",
             ["result"],
             registry=r,
         )
@@ -134,6 +134,19 @@ class Metrics:
         )
         for result in ("match", "mismatch", "dropped"):
             self.shadow_checks.labels(result=result)
+        self.tokenized_characters = Counter(
+            "clef_tokenized_characters",
+            "Characters of client text tokenised: bounded by the token budget, not by the body (a refused huge state "
+            "costs about one budget's worth)",
+            registry=r,
+        )
+        self.shadow_mismatches = Counter(
+            "clef_shadow_mismatches",
+            "Shadow mismatches by where they first appeared: the layer (its index) and its kind (delta net, "
+            "attention, MLP), or the head (layer -) when every layer's fingerprint matched",
+            ["layer", "kind"],
+            registry=r,
+        )
         self.adapters_loaded = Gauge("clef_adapters_loaded", "Fine-tuned variants being served", registry=r)
         self.adapter_slots = Gauge("clef_adapter_slots", "Variants the server can hold (--max-adapters)", registry=r)
         self.adapter_bytes = Gauge("clef_adapter_bytes", "Device memory of the loaded variants", registry=r)
@@ -208,6 +221,9 @@ class Metrics:
         shadow = engine.shadow.stats
         for result in ("match", "mismatch", "dropped"):
             self._advance(self.shadow_checks, getattr(shadow, result), result=result)
+        self._advance(self.tokenized_characters, engine.decider.tokenizer.tokenized_chars)
+        for (layer, kind), count in list(shadow.mismatches_by_layer.items()):
+            self._advance(self.shadow_mismatches, count, layer=layer, kind=kind)
         self.shadow_max_abs_error.set(shadow.max_abs_error)
         self.shadow_tolerance.set(engine.shadow.tolerance)
         if engine.selfcheck_report is not None and engine.selfcheck_report is not self._selfcheck_seen:

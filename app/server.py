@@ -50,6 +50,7 @@ from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
 # A sticky CUDA error killed this process's GPU context (clef_cuda.serving.guarded_ops): the kernel is recorded
 # as failed in the autotune cache and the process exits with this, for its supervisor to start it again.
 EXIT_KERNEL_FAULT = 4
+EXIT_TENSOR_PARALLEL_LOST = 5  # a tensor-parallel rank died, hung or failed a collective
 
 log = logging.getLogger("clef_serve")
 RETRY_AFTER_SECONDS = "1"
@@ -217,7 +218,24 @@ def create_app(
         timer.daemon = True
         timer.start()
 
+    def tensor_parallel_lost(reason: str) -> None:
+        """A rank is gone (exited, hung past --tensor-parallel-timeout, a collective failed): no step can run
+        again. /ready turns 503, and the process exits EXIT_TENSOR_PARALLEL_LOST a moment later (the
+        restart starts every rank afresh)."""
+        state.status, state.error = "failed", reason
+        metrics.ready.set(0)
+        log.critical("clef-serve: %s; exiting (%d)", reason, EXIT_TENSOR_PARALLEL_LOST)
+        timer = threading.Timer(1.0, lambda: os._exit(EXIT_TENSOR_PARALLEL_LOST))
+        timer.daemon = True
+        timer.start()
+
     def become_ready(loaded: Engine) -> None:
+        peers = loaded.decider.trunk.peers
+        if peers is not None:  # tensor parallel: a rank lost from here on takes the server down
+            peers.on_lost = tensor_parallel_lost
+            if peers.lost is not None:
+                tensor_parallel_lost(peers.lost)
+                return
         tune(loaded)  # first: on a GPU it tries every kernel where a fault costs nothing
         if not passes_selfcheck(loaded):
             return  # never started: /ready stays 503 and decisions are refused, naming the failed checks
@@ -244,6 +262,8 @@ def create_app(
         except Exception as error:
             state.status, state.error = "failed", f"{type(error).__name__}: {error}"
             log.exception("loading the model failed")
+            if getattr(error, "fatal", False):  # a tensor-parallel rank could not start: restart them all
+                tensor_parallel_lost(str(error))
 
     async def lifespan(_app: FastAPI):
         if engine is not None:
@@ -539,7 +559,14 @@ def create_app(
         }
         if engine is not None:
             stats = engine.shadow.stats
-            body["shadow"] = {"match": stats.match, "mismatch": stats.mismatch, "dropped": stats.dropped}
+            body["shadow"] = {
+                "match": stats.match,
+                "mismatch": stats.mismatch,
+                "dropped": stats.dropped,
+                "resumed": stats.resumed,
+                "floor_chunks": stats.floor_chunks,
+                "last_mismatch": stats.last_mismatch,  # the request, and the first layer (and kind) that differed
+            }
         if state.autotune is not None:
             body["autotune"] = state.autotune.to_json()
         if state.status == "ready" and not failure:

@@ -22,7 +22,6 @@ from clef_cuda.model.config import ReleaseConfig, load_release_config
 from clef_cuda.model.footprint import resident_weights
 from clef_cuda.model.head import JointSchemaHead, RecordLayout
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
-from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.model.vision import VisionTower
 from clef_cuda.model.weights import load_release_weights
 from clef_cuda.request import answers
@@ -112,6 +111,7 @@ class Decider:
         ops=None,
         quantize: str = "none",
         vocab_tables: str = "device",
+        tensor_parallel=None,
         **options: Any,
     ) -> Decider:
         """Load a release. Defaults: the GPU if there is one, in f16 (f32 on sm_61, whose f16 runs at 1/64:
@@ -119,16 +119,38 @@ class Decider:
         quantize="int8" stores the trunk's linear layers and embedding tables as int8 with per-row scales
         (W8A16: clef_cuda.model.quantize), quantized as they load. vocab_tables="host" keeps the embedding and
         LM-head tables in pinned host memory, gathered by rows (clef_cuda.model.vocab_tables). `options` are
-        DecisionOptions fields."""
+        DecisionOptions fields. tensor_parallel: a group of N > 1 ranks (clef_cuda.serving.tensor_parallel
+        .TensorParallel: this process is rank 0, on `device`, and it starts the others) to shard the trunk over."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype, _ = serving_dtype(device, dtype)
         config = load_release_config(path)
         decision_options = DecisionOptions(**options)
         tokenizer = Tokenizer.from_release(path, decision_options.client_special_tokens)
+        shard = None
+        if tensor_parallel is not None and tensor_parallel.size > 1:  # this process is rank 0
+            from clef_cuda.model.shard import Shard, check_shardable
+
+            check_shardable(config.trunk, tensor_parallel.size)
+            shard = Shard(0, tensor_parallel.size)
         weights = load_release_weights(
-            path, config, device, dtype, head_dtype, progress=progress, quantize=quantize, vocab_tables=vocab_tables
+            path,
+            config,
+            device,
+            dtype,
+            head_dtype,
+            progress=progress,
+            quantize=quantize,
+            vocab_tables=vocab_tables,
+            shard=shard,
         )
-        trunk = Trunk(config.trunk, weights.trunk, dtype, ops=ops)
+        if shard is None:
+            trunk = Trunk(config.trunk, weights.trunk, dtype, ops=ops)
+        else:
+            from clef_cuda.model.shard import local_config
+
+            trunk = Trunk(local_config(config.trunk, shard.size), weights.trunk, dtype, ops=ops)
+            tensor_parallel.start(path, device, dtype, quantize)  # the other ranks load theirs
+            tensor_parallel.attach(trunk)
         head = JointSchemaHead(config.head, weights.head, weights.trunk["lm_head.weight"])
         vision = VisionTower(config.vision, weights.vision, dtype) if weights.vision is not None else None
         processor = load_processor_config(path) if vision is not None else None
@@ -181,7 +203,7 @@ class Decider:
         if sum(chunk_sizes) != n or min(chunk_sizes) <= 0:
             raise ValueError(f"chunk sizes {chunk_sizes} must be positive and add up to {n}")
         blocks = -(-n // DEFAULT_BLOCK_SIZE)
-        cache = TrunkCache.allocate(self.config.trunk, 1, blocks, DEFAULT_BLOCK_SIZE, self.device, self.trunk.dtype)
+        cache = self.trunk.allocate_cache(1, blocks, DEFAULT_BLOCK_SIZE, name="decider")
         layout = RecordLayout.from_record(record, self.device)
         inputs = self.head.start(layout, n)
         positions = record.rope_positions()

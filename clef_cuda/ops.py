@@ -376,6 +376,11 @@ class OpLibrary:
         """The variant the CPU kernels run now: the best supported unless set_cpu_isa or CLEF_CPU_ISA chose."""
         return self._ops.cpu_isa()
 
+    def cpu_isa_calls(self) -> dict[str, int]:
+        """Per variant, how many CPU kernel calls ran it since the library loaded (each op picks its variant
+        once per call): which code really ran, not only what cpu_isa() says."""
+        return dict(zip(("avx512", "avx2", "baseline"), self._ops.cpu_isa_calls(), strict=True))
+
     def set_cpu_isa(self, isa: str) -> str:
         """Run the CPU kernels' `isa` variant ("auto" = the best supported) from the next op on, for the
         whole process; returns the previous one. ValueError names an unknown or unsupported isa."""
@@ -436,6 +441,7 @@ rms_norm_rope = _default.rms_norm_rope
 sigmoid_gate = _default.sigmoid_gate
 supported_cpu_isas = _default.supported_cpu_isas
 cpu_isa = _default.cpu_isa
+cpu_isa_calls = _default.cpu_isa_calls
 set_cpu_isa = _default.set_cpu_isa
 using_cpu_isa = _default.using_cpu_isa
 

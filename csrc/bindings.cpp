@@ -63,6 +63,7 @@ CLEF_LIBRARY(CLEF_NS, m) {
         &clef::paged_attention_tiles);
   m.def("supported_cpu_isas() -> str[]", &clef::supported_cpu_isas);
   m.def("cpu_isa() -> str", &clef::get_cpu_isa);
+  m.def("cpu_isa_calls() -> int[]", &clef::cpu_isa_calls);
   m.def("set_cpu_isa(str isa) -> str", &clef::set_cpu_isa);
 }
 

@@ -59,6 +59,8 @@ void int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tenso
 // The CPU kernels' instruction-set variant (common/cpu_kernel.h): "avx512", "avx2" or "baseline".
 std::vector<std::string> supported_cpu_isas();  // best first
 std::string get_cpu_isa();
+// Per variant (avx512, avx2, baseline), how many CPU kernel calls ran it since the library loaded.
+std::vector<int64_t> cpu_isa_calls();
 // name: "auto" (the best supported) or one of supported_cpu_isas(); returns the previous choice.
 std::string set_cpu_isa(c10::string_view name);
 

@@ -107,9 +107,9 @@ def test_unmerged_variants_match_clef_finetunes_fp32_merge(served, capture, vari
 
 
 def test_variants_work_unchanged_over_an_int8_base(capture):
-    """The same checkpoints over the base loaded with --quantize int8 (their deltas stay fp32): within the
-    variants' int8 bound of clef-finetune's fp32 merge, and each still moves the answers. (Quantizing the
-    merged release itself moves the "all" variant further: 9.1e-2 against 2.8e-2 unmerged.)"""
+    """The same checkpoints over the base loaded with --quantize int8 (their deltas stay fp32): within each
+    variant's own int8 bound of clef-finetune's fp32 merge (the subset variant moves 170x less than the one on
+    every module), and each still moves the answers."""
     int8 = Decider.from_release(tiny_release(), device="cpu", progress=False, quantize="int8")
     engine = make_engine(int8, registry_with(int8, *VARIANTS))
     engine.start()
@@ -118,7 +118,8 @@ def test_variants_work_unchanged_over_an_int8_base(capture):
         _, base = decide(engine, request, "clef-flash", capture)
         for variant in VARIANTS:
             _, ours = decide(engine, request, variant, capture)
-            assert worst(ours, reference_probabilities(merged(variant), request)) <= INT8_BOUNDS["upstream-tiny+lora"]
+            bound = INT8_BOUNDS[(f"upstream-tiny+lora:{variant}", "f32")]
+            assert worst(ours, reference_probabilities(merged(variant), request)) <= bound, variant
             assert worst(base, ours) > 1e-2, variant
     finally:
         engine.stop(10)

@@ -231,3 +231,83 @@ def test_ours_runs_on_the_trunks_own_op_library(monkeypatch):
     calls.clear()
     decider.decide(random_request(random.Random(0)))
     assert calls and decider.trunk.attention_choice is not None
+
+
+def test_each_bucket_runs_its_own_choice(tiny, monkeypatch):
+    """Timings that differ by bucket give choices that differ by bucket, and a batch runs its nearest bucket's:
+    a prefill chunk the candidate fastest at prefill, a short chunk after a long prefix the one fastest there."""
+
+    real_case = tuning._AttentionCase.of
+
+    def case_of(target, bucket, block_size, generator):
+        case = real_case(target, bucket, block_size, generator)
+        case.bucket = bucket
+        return case
+
+    timed_bucket = {}
+
+    def median_by_bucket(fn, repeats, device, candidate, **kwargs):
+        fn()
+        kind = timed_bucket["now"].kind
+        fastest = {"prefill": "sdpa-flash", "chunk": "sdpa-math", "decode": "ours"}[kind]
+        return 1.0 if candidate == fastest else 5.0
+
+    real_run = tuning._AttentionCase.run
+
+    def run(self, impl):
+        if hasattr(self, "bucket"):
+            timed_bucket["now"] = self.bucket
+        return real_run(self, impl)
+
+    monkeypatch.setattr(tuning._AttentionCase, "of", staticmethod(case_of))
+    monkeypatch.setattr(tuning._AttentionCase, "run", run)
+    monkeypatch.setattr(tuning, "_median_ms", median_by_bucket)
+    config = EngineConfig(max_model_len=4096, kv_fraction=0.05, prefill_chunk_size=256, max_num_seqs=2)
+    report = tuning.autotune(tiny.trunk, config, "fast", None)
+    choices = report.choices["paged_attention"]
+    assert {choices[b] for b in choices if b.startswith("prefill")} == {"sdpa-flash"}
+    assert {choices[b] for b in choices if b.startswith("chunk")} == {"sdpa-math"}
+    assert {choices[b] for b in choices if b.startswith("decode")} == {"ours"}
+    policy = tiny.trunk.attention_choice
+    from clef_cuda.model.trunk import ChunkBatch, SequenceChunk
+
+    def batch(q_len: int, context: int):
+        blocks = list(range(-(-context // 16)))
+        return ChunkBatch.build([SequenceChunk([0] * q_len, context - q_len, -1, blocks)], 16, "cpu")
+
+    for (q_len, context), kind, expected in (
+        ((256, 1024), "prefill", "sdpa-flash"),
+        ((64, 4000), "chunk", "sdpa-math"),
+    ):
+        bucket = tuning.nearest_bucket(policy.buckets, (q_len,), (context,))
+        assert bucket.kind == kind and choices[bucket.name] == expected
+        assert policy(batch(q_len, context)) is policy.impl[bucket.name]
+    assert policy(batch(256, 1024)) is not policy(batch(64, 4000))
+
+
+def test_a_candidate_wrong_only_at_long_contexts_is_rejected_there_and_chosen_elsewhere(tiny, monkeypatch):
+    """Checked at every bucket against ours: a candidate right on the small verification pack and at 1k but
+    wrong past 2k of context fails its check at those buckets only, and is never chosen for them."""
+    real = tuning.attention_candidates
+
+    def with_long_fault(trunk):
+        found = real(trunk)
+
+        def wrong_when_long(query, key_cache, value_cache, batch):
+            out = found["ours"](query, key_cache, value_cache, batch)
+            return out * 1.01 if max(batch.context_lengths) > 2048 else out
+
+        return found | {"wrong-long": wrong_when_long}
+
+    monkeypatch.setattr(tuning, "attention_candidates", with_long_fault)
+    fake_timings(monkeypatch, {"wrong-long": 0.1, "ours": 5.0, "sdpa-flash": 6.0, "sdpa-math": 7.0})
+    config = EngineConfig(max_model_len=4096, kv_fraction=0.05, prefill_chunk_size=256, max_num_seqs=2)
+    report = tuning.autotune(tiny.trunk, config, "fast", None)
+    rejected = {
+        r.bucket for r in report.rows if r.candidate == "wrong-long" and r.status.startswith("failed its check")
+    }
+    long_buckets = {b.name for b in tuning.attention_buckets("fast", 2, 256, 4096) if b.context > 2048}
+    assert rejected == long_buckets
+    choices = report.choices["paged_attention"]
+    assert all(choices[b] != "wrong-long" for b in long_buckets)
+    assert any(choice == "wrong-long" for b, choice in choices.items() if b not in long_buckets)

@@ -60,6 +60,36 @@ def test_the_environment_variable_pins_the_variant_for_the_process():
     assert result.returncode == 0 and result.stdout.strip() == "baseline", result.stderr
 
 
+# A decision in a fresh process: the per-variant call counters of every CPU kernel call it made.
+DECIDE_AND_COUNT = """
+import json, random, sys
+sys.path.insert(0, sys.argv[2])
+from random_requests import random_request
+from clef_cuda import Decider, ops
+mid = Decider.from_release(sys.argv[1], device="cpu", progress=False, chunk_size=128)
+before = ops.cpu_isa_calls()
+mid.probabilities(mid.encode(random_request(random.Random(1), state_words=(200, 300))))
+print(json.dumps({isa: n - before[isa] for isa, n in ops.cpu_isa_calls().items()}))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_the_environment_variable_reaches_the_kernels(isa):
+    """CLEF_CPU_ISA pins the code that runs, not only what cpu_isa() reports: every CPU kernel call of a whole
+    decision picked the pinned variant (the kernels' per-variant call counters), none the machine's best."""
+    import json
+    from pathlib import Path
+
+    if isa not in ops.supported_cpu_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    env = os.environ | {"CLEF_CPU_ISA": isa}
+    code = [sys.executable, "-c", DECIDE_AND_COUNT, str(mid_release()), str(Path(__file__).parent)]
+    result = subprocess.run(code, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    calls = json.loads(result.stdout.strip().splitlines()[-1])
+    assert calls[isa] > 20 and sum(calls.values()) == calls[isa], calls
+
+
 def test_clef_serve_refuses_a_bad_variable_in_one_line_with_exit_2():
     result = _python("import sys; from app.cli import main; sys.exit(main(['--d', 'cpu']))", "sse4")
     assert result.returncode == 2, result.stderr

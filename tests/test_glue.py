@@ -237,3 +237,28 @@ def test_opcheck():
     }
     for name, arguments in args.items():
         torch.library.opcheck(getattr(torch.ops.clef, name).default, arguments)
+
+
+def test_the_norms_see_eps_on_tiny_rows(backend):
+    """Rows of magnitude 1e-3 with eps = 1e-4 (mean(x^2) = 1e-6: eps dominates the root): the norms match the
+    reference to 1e-6 relative in fp32, while the same reference without eps is 10x off, so a kernel that
+    dropped or mis-scaled eps could not pass (rows of order 1 hide eps entirely: 1e-6 of 1)."""
+    eps, device = 1e-4, backend.device
+    x = (torch.randn(4, 96) * 1e-3).to(device)
+    scale = (1 + 0.2 * torch.randn(96)).to(device)
+    out = backend.ops.add_rms_norm(x.clone(), None, scale, eps)
+    expected = reference.add_rms_norm(x.clone(), None, scale, eps)
+    without_eps = reference.add_rms_norm(x.clone(), None, scale, 0.0)
+    worst = float((out.cpu() - expected.cpu()).abs().max() / expected.abs().max())
+    assert worst <= 1e-6, worst
+    assert float((without_eps.cpu() - expected.cpu()).abs().max() / expected.abs().max()) > 1.0
+    heads = (torch.randn(3, 2, 32) * 1e-3).to(device)
+    weight = (1 + 0.3 * torch.randn(32)).to(device)
+    z = torch.randn(3, 64).to(device)
+    out = backend.ops.gated_rms_norm(heads, z, weight, eps)
+    expected = reference.gated_rms_norm(heads, z, weight, eps)
+    assert float((out.cpu() - expected.cpu()).abs().max() / expected.abs().max()) <= 1e-6
+    cos, sin = torch.ones(3, 8).to(device), torch.zeros(3, 8).to(device)
+    out = backend.ops.rms_norm_rope(heads, weight, cos, sin, eps)
+    expected = reference.rms_norm_rope(heads, weight, cos, sin, eps)
+    assert float((out.cpu() - expected.cpu()).abs().max() / expected.abs().max()) <= 1e-6

@@ -332,35 +332,23 @@ def _rss_sampler(pid: int):
     return stop, peak
 
 
-def seconds_to_tokenise_a_megabyte(text: str) -> float:
-    """This machine's speed at the work the budget bound avoids: clef-tiny's tokenizer on 1 MB of `text`
-    (median of 3), measured in the test's own run so the time limits below scale with the machine."""
-    from tokenizers import Tokenizer
+def _metric(text: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
 
-    from clef_cuda.model import default_model
-
-    tokenizer = Tokenizer.from_file(str(default_model.default_release() / "tokenizer.json"))
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        tokenizer.encode(text[:1_000_000], add_special_tokens=False)
-        times.append(time.perf_counter() - started)
-    return sorted(times)[1]
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def test_huge_states_are_refused_at_once_and_others_are_served_meanwhile():
     """Four 30 MB states at once (inside the 32 MiB body limit; before the bound: 39 s of CPU and +5 GB
     each), and a 2 MB one that passes the cheap lower bound (it stops tokenising once past the budget):
-    all 413 within seconds, the server's memory stays near its baseline, a normal request sent alongside
-    is answered as usual. "Within seconds" is in units of this machine's time to tokenise 1 MB: without
-    the bound the server tokenises 4 x 30 MB, over 60 units on 2 cores; with it, measured 2026-12-01 on
-    a 2-core EPYC: 2 units in all, the normal request 0.3 (a unit 0.5 s)."""
+    all 413, the server's memory stays near its baseline, a normal request sent alongside is answered as
+    usual. The work is asserted in characters tokenised (clef_tokenized_characters_total), not seconds:
+    without the bound the server tokenises 4 x 30 MB; with it, about one budget's worth of the 2 MB state."""
     import psutil
 
     rng = random.Random(5)
     words = ["checkout", "ERROR", "db:", "refused", "12:00:01", "order", "shipped", "\n"]
     text = " ".join(rng.choice(words) for _ in range(5_000_000))[:30_000_000]
-    unit = seconds_to_tokenise_a_megabyte(text)
     huge = json.dumps({"model": "clef-tiny", "state": text, "questions": {"q": {"type": "noul"}}}).encode()
     large = json.dumps({"model": "clef-tiny", "state": text[:2_000_000], "questions": {"q": {"type": "noul"}}})
     normal = {"model": "clef-tiny", "state": "INFO api: ok\nERROR db: refused", "questions": {"q": {"type": "noul"}}}
@@ -377,23 +365,23 @@ def test_huge_states_are_refused_at_once_and_others_are_served_meanwhile():
 
         senders = [threading.Thread(target=send, args=(f"huge{i}", huge)) for i in range(4)]
         senders.append(threading.Thread(target=send, args=("large", large)))
-        started = time.monotonic()
         for thread in senders:
             thread.start()
         time.sleep(0.2)  # the big bodies are in flight
         send("normal", json.dumps(normal))
         for thread in senders:
             thread.join(120)
-        elapsed = time.monotonic() - started
         stop.set()
+        tokenized = _metric(httpx.get(url + "/metrics").text, "clef_tokenized_characters_total")
     growth = (peak[0] - baseline) / 2**20
     assert {name: status for name, (status, _) in results.items()} == {
         **{f"huge{i}": 413 for i in range(4)},
         "large": 413,
         "normal": 200,
     }
-    assert elapsed < 15 * unit, (unit, results)  # sending 122 MB over loopback and parsing it included
-    assert results["normal"][1] < 8 * unit, (unit, results)
+    # The work is bounded by the budget, not the bodies: what was tokenised is a sliver of the 122 MB sent (no
+    # wall-clock bound: machines are shared and noisy).
+    assert tokenized < 0.02 * (4 * len(huge) + len(large)), tokenized
     assert growth < 1024, f"the server grew by {growth:.0f} MiB"
 
 

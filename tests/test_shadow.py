@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 from adapter_fixtures import checkpoint
 from fastapi.testclient import TestClient
-from faults import LongContextFaultOps, OpFault
+from faults import LayerFaultOps, LongContextFaultOps, OpFault
 from images import data_url, png
 from live import wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +27,7 @@ from releases import tiny_release
 from app.server import ServerSettings, create_app
 from clef_cuda import Decider
 from clef_cuda.model.adapters import AdapterRegistry
+from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.serving import shadow as shadow_module
 from clef_cuda.serving.engine import Engine, EngineConfig
 from clef_cuda.serving.selfcheck import run_selfcheck
@@ -135,11 +138,12 @@ def test_healthy_kernels_give_no_mismatch_over_200_records_with_images_and_varia
     assert registry.get("tuned").users == 0  # every sample let go of its hold on the variant
 
 
-def test_under_load_no_shadow_chunk_runs_beside_real_work_and_samples_are_dropped(monkeypatch):
-    """40 records at once, every one sampled: a shadow chunk only ever runs with nothing queued or running,
-    the samples that met real work are dropped and counted, and the answers are the shadow-less ones."""
+def test_under_load_no_shadow_chunk_runs_beside_real_work_and_the_samples_wait(monkeypatch):
+    """40 records at once, every one sampled, no floor: a shadow chunk only ever runs with nothing queued or
+    running; the samples wait (SHADOW_QUEUE of them; the rest are dropped and counted) and are verified once the
+    load is gone; the answers are the shadow-less ones."""
     d = decider()
-    engine = engine_with(d)
+    engine = engine_with(d, min_interval=None)
     busy_steps = []
     real_step = engine.shadow.step
 
@@ -156,8 +160,9 @@ def test_under_load_no_shadow_chunk_runs_beside_real_work_and_samples_are_droppe
         wait_until(lambda: verdicts(engine) == 40, "every sample's verdict")
     finally:
         engine.stop(30)
+    stats = engine.shadow.stats
     assert busy_steps and set(busy_steps) == {0}
-    assert engine.shadow.stats.dropped > 0 and engine.shadow.stats.mismatch == 0
+    assert stats.mismatch == 0 and stats.match >= shadow_module.SHADOW_QUEUE and stats.dropped == 40 - stats.match
     plain = engine_with(d, mode="off")
     plain.start()
     try:
@@ -167,16 +172,71 @@ def test_under_load_no_shadow_chunk_runs_beside_real_work_and_samples_are_droppe
         plain.stop(30)
 
 
+def test_a_sequential_client_gets_every_record_verified():
+    """12 requests one after the other at --shadow-rate 1, every fourth ~4,500 tokens, the client reading each
+    answer for 50 ms: a sample paused by the next request resumes at the next idle turn instead of being
+    dropped, so every record is verified."""
+    engine = engine_with(decider())
+    engine.start()
+    try:
+        for i in range(12):
+            request = LONG if i % 4 == 3 else random_request(random.Random(300 + i), null_score_levels=False)
+            engine.decide(request, timeout=300)
+            time.sleep(0.05)
+        wait_until(lambda: verdicts(engine) == 12, "every record's verdict")
+    finally:
+        engine.stop(30)
+    stats = engine.shadow.stats
+    assert (stats.match, stats.mismatch, stats.dropped) == (12, 0, 0), stats
+    assert stats.resumed > 0  # long samples were paused by the next request and resumed
+
+
+def test_the_floor_verifies_under_a_saturating_load_within_its_share_of_step_time():
+    """No idle turn at all (40 records submitted at once, then more as each answers): with a short
+    --shadow-min-interval the steps give the shadow run chunks, records are verified during the load, and the
+    shadow's time stays within SHADOW_FLOOR_SHARE of the steps' (plus the one chunk that crossed it)."""
+    engine = engine_with(decider(), min_interval=0.05)
+    chunk_times, real_spent = [], engine.shadow.floor_spent
+
+    def spent(seconds):
+        chunk_times.append(seconds)
+        real_spent(seconds)
+
+    engine.shadow.floor_spent = spent
+    engine.shadow._last_finished -= 1.0  # as if the interval had passed at start-up
+    engine.start()
+    try:
+        short = {"state_words": (3, 10), "null_score_levels": False}  # a sample is ~6 reference chunks
+        pending = [engine.submit(random_request(random.Random(500 + i), **short)) for i in range(40)]
+        verified_under_load = 0
+        for i in range(40, 600):
+            if engine.shadow.stats.match:
+                verified_under_load = engine.shadow.stats.match
+                break
+            pending.pop(0).future.result(300)
+            pending.append(engine.submit(random_request(random.Random(500 + i), **short)))
+        for ticket in pending:
+            ticket.future.result(300)
+    finally:
+        engine.stop(30)
+    stats = engine.shadow.stats
+    assert verified_under_load >= 1 and stats.floor_chunks == len(chunk_times) > 0, (verified_under_load, stats)
+    # Each engagement of the floor overshoots by at most the chunk that crossed its budget.
+    assert stats.floor_shadow_seconds <= shadow_module.SHADOW_FLOOR_SHARE * stats.floor_step_seconds + (
+        (stats.match + 1) * max(chunk_times)
+    )
+
+
 def test_a_sample_costs_one_records_memory_and_never_the_engines_pools(monkeypatch):
     allocations = []
-    real = shadow_module.TrunkCache.allocate
+    real = TrunkCache.allocate
 
     def recorded(config, slots, blocks, *args, **kwargs):
         allocations.append((slots, blocks))
         return real(config, slots, blocks, *args, **kwargs)
 
     engine = engine_with(decider())  # its own pools first, then only the shadow's allocations are recorded
-    monkeypatch.setattr(shadow_module.TrunkCache, "allocate", staticmethod(recorded))
+    monkeypatch.setattr(TrunkCache, "allocate", staticmethod(recorded))
     engine.start()
     try:
         record = engine.decider.encode(LONG)
@@ -239,13 +299,59 @@ def test_durations_parse():
 
 
 def test_threads_never_share_a_sample(monkeypatch):
-    """offer() from the head thread while the scheduler takes: at most one sample waits, the rest dropped."""
+    """offer() from the head thread while the scheduler takes: SHADOW_QUEUE samples wait, the rest dropped."""
     v = engine_with(decider()).shadow
     released = []
     monkeypatch.setattr(v, "release", lambda adapter: released.append(adapter))
-    threads = [threading.Thread(target=v.offer, args=(SimpleNamespace(adapter=None),)) for _ in range(8)]
+    count = shadow_module.SHADOW_QUEUE + 8
+    samples = [SimpleNamespace(adapter=None, fingerprint=None) for _ in range(count)]
+    threads = [threading.Thread(target=v.offer, args=(sample,)) for sample in samples]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert v.has_work and v.stats.dropped == 7
+    assert v.has_work and v.stats.dropped == 8 and len(released) == 8
+
+
+def test_waiting_samples_are_bounded_by_their_fingerprints_memory(monkeypatch):
+    """A sample whose fingerprint would take the waiting ones past SHADOW_QUEUE_BYTES is dropped (counted, its
+    variant let go), however short the queue."""
+    monkeypatch.setattr(shadow_module, "SHADOW_QUEUE_BYTES", 10_000)
+    v = engine_with(decider()).shadow
+    released = []
+    monkeypatch.setattr(v, "release", lambda adapter: released.append(adapter))
+    for _ in range(5):
+        v.offer(SimpleNamespace(adapter="tuned", fingerprint=SimpleNamespace(nbytes=lambda: 4_000)))
+    assert len(v._waiting) == 2 and v.stats.dropped == 3 and released == ["tuned"] * 3
+
+
+def load_shadow_power():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "shadow_power", Path(__file__).parents[1] / "benchmarks" / "shadow_power.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("kind", LayerFaultOps.KINDS)
+def test_each_fault_kind_is_caught_in_f16_and_bf16_and_named_by_layer(kind, dtype):
+    """Each kind of kernel fault, in one layer, at 5% where it has a size (tests/faults.py LayerFaultOps): the
+    served records' layer fingerprints differ from the reference's at that layer first, so the mismatch names it
+    and its kind; the same records without the fault match (benchmarks/shadow_power.py has the smallest sizes)."""
+    power = load_shadow_power()
+    release = tiny_release()
+    config = Decider.from_release(release, device="cpu", progress=False).config.trunk
+    records = power.requests(3)
+    layer = power.middle(config, kind)
+    fault = LayerFaultOps(kind, 0.05, layer=layer, past=power.PAST, key_dim=config.key_dim)
+    quantize = "int8" if kind == "int8_scale_off" else "none"
+    outcome = power.run(release, power.DTYPES[dtype], records, fault, quantize)
+    expected = f"layer {power.faulted_layer(config, kind, layer)} ({power.LAYER_KIND[kind]})"
+    assert outcome.mismatches > 0 and outcome.named, (outcome, expected)
+    assert power.run(release, power.DTYPES[dtype], records, None, quantize).mismatches == 0

@@ -183,16 +183,59 @@ def test_every_label_follows_from_the_text():
     assert set(asked) == set(vocabulary.STRUCTURAL) | set(vocabulary.SEMANTIC)
 
 
-def test_the_label_check_catches_a_wrong_label():
-    """Injected: each question's label moved to another of its options; the re-derivation disagrees."""
-    caught: set[str] = set()
-    for example in _examples()[:600]:
-        for qid, answer in example.answers.items():
-            others = [o for o, _ in question_options(example.request["questions"][qid]) if o != answer]
-            wrong = vocabulary.Example(example.request, dict(example.answers, **{qid: others[0]}), example.kind)
-            assert derived_answers(wrong) != wrong.answers
-            caught.add(qid)
-    assert caught == set(vocabulary.STRUCTURAL) | set(vocabulary.SEMANTIC)
+def _swap_error_and_warning_spellings(monkeypatch):
+    """The level styles with their error and warning spellings swapped: error lines say WARN."""
+    swapped = [(warn, error, info) for error, warn, info in vocabulary.LEVEL_STYLES]
+    monkeypatch.setattr(vocabulary, "LEVEL_STYLES", swapped)
+
+
+def _error_lines_name_another_component(monkeypatch):
+    """The log layouts write an error line's component reversed: the line no longer names the labelled one."""
+    real = vocabulary._log_format
+
+    def layout(rng, split):
+        line = real(rng, split)
+        return lambda stamp, lv, c, m: line(stamp, lv, c[::-1] if vocabulary.LEVELS[lv] == 2 else c, m)
+
+    monkeypatch.setattr(vocabulary, "_log_format", layout)
+
+
+def _delivered_written_as_shipped(monkeypatch):
+    """The order timelines write a delivery as "shipped": the text's last status is not the labelled one."""
+    for split, formats in vocabulary.ORDER_LINES.items():
+        wrapped = [lambda i, e, f=f: f(i, e.replace("delivered", "shipped")) for f in formats]
+        monkeypatch.setitem(vocabulary.ORDER_LINES, split, wrapped)
+
+
+def _urgency_cues_swapped(monkeypatch):
+    """The ticket cues for "urgent" and "no rush" swapped: the tickets say the opposite of their label."""
+    cues = vocabulary.URGENCY_CUES
+    monkeypatch.setattr(vocabulary, "URGENCY_CUES", {0: cues[2], 2: cues[0]})
+
+
+GENERATOR_FAULTS = {
+    "error and warning spellings swapped": (_swap_error_and_warning_spellings, {"last_error", "last_level"}),
+    "error lines name another component": (_error_lines_name_another_component, {"last_failure"}),
+    "delivered written as shipped": (_delivered_written_as_shipped, {"status"}),
+    "urgency cues swapped": (_urgency_cues_swapped, {"urgency"}),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(GENERATOR_FAULTS))
+def test_the_label_check_catches_a_broken_generator(monkeypatch, fault):
+    """The generator broken, not the derivation: the label test's re-derivation from the text disagrees with
+    the labels the broken generator wrote, on the questions the fault touches."""
+    inject, touched = GENERATOR_FAULTS[fault]
+    inject(monkeypatch)
+    wrong: set[str] = set()
+    for example in vocabulary.dataset(7, 400, "train") + vocabulary.dataset(8, 400, "heldout"):
+        try:
+            derived = derived_answers(example)
+        except (StopIteration, ValueError, IndexError):  # the text no longer holds the fact at all
+            wrong |= touched & set(example.answers)
+            continue
+        wrong |= {qid for qid, answer in example.answers.items() if derived[qid] != answer}
+    assert touched <= wrong, (fault, wrong)
 
 
 @pytest.mark.parametrize("split", vocabulary.SPLITS)

@@ -18,7 +18,7 @@ import copy
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,12 +27,28 @@ from clef_cuda.model.trunk_cache import TrunkCache
 
 if TYPE_CHECKING:
     from clef_cuda.model.adapters import AdapterBatch
+    from clef_cuda.model.fingerprint import LayerProbe
 from clef_cuda.errors import NumericalOverflowError
 from clef_cuda.model.config import LINEAR_ATTENTION, TrunkConfig
 from clef_cuda.model.quantize import DequantizeScratch, Int8Weight
 from clef_cuda.model.vocab_tables import HostTable
 
 Tensor = torch.Tensor
+
+
+class Collectives(Protocol):
+    """The tensor-parallel group a sharded trunk sums over (clef_cuda.serving.tensor_parallel implements it)."""
+
+    def all_reduce(self, tensor: Tensor) -> Tensor: ...  # the sum over the ranks, in place; returns it
+
+    def broadcast(self, tensor: Tensor) -> None: ...  # rank 0's tensor to every rank, in place
+
+
+class Peers(Protocol):
+    """Rank 0's handle on the other ranks: run(trunk, call, *args) tells them to make the same call on their
+    shard (the same collectives, in the same order), before rank 0 makes it."""
+
+    def run(self, trunk: Trunk, call: str, *args) -> None: ...
 
 
 @dataclass
@@ -181,10 +197,12 @@ class Trunk:
         if ops is None:
             from clef_cuda import ops
         self.config, self.dtype, self.ops = config, dtype, ops
-        self.embed: Weight = weights["embed_tokens.weight"]  # [vocab, H]; int8 rows under --quantize int8
-        self.lm_head: Weight = weights["lm_head.weight"]
+        # [vocab, H]; int8 rows under --quantize int8. None on a tensor-parallel rank other than 0 (it is handed
+        # each step's embedded rows).
+        self.embed: Weight | None = weights["embed_tokens.weight"]
+        self.lm_head: Weight | None = weights["lm_head.weight"]
         self.final_scale = 1.0 + weights["norm.weight"].float()
-        device = self.embed.device
+        device = self.final_scale.device
         half = config.rotary_dim // 2
         self.inv_freq = 1.0 / (
             config.rope_theta ** (torch.arange(0, half, dtype=torch.float32, device=device) * 2 / config.rotary_dim)
@@ -205,6 +223,13 @@ class Trunk:
         # (ops.int8_linear: the int8 weights read once, no scratch), "dequantize+gemm", or "int8pack_mm" (torch's
         # CPU kernel). The autotune measures where each wins on the device.
         self.int8_by_rows: list[tuple[int, str]] = list(DEFAULT_INT8_BY_ROWS)
+        # Tensor parallel (clef_cuda.model.shard; the ranks are run by clef_cuda.serving.tensor_parallel): this
+        # trunk is one rank's shard; `collectives` sums each mixer's and MLP's partial output over the ranks
+        # (all_reduce) and hands rank 0's embedded rows to the others (broadcast); rank 0's `peers` tells the
+        # other ranks what to run before it runs it. Both None on one device.
+        self.collectives: Collectives | None = None
+        self.peers: Peers | None = None
+        self.ops_name = "fast"  # which of its op libraries a peer runs this trunk's calls on ("reference")
 
     @staticmethod
     def _linear_weights(layer: _LayerWeights) -> list[Weight]:
@@ -269,24 +294,47 @@ class Trunk:
         )
 
     # ---- forward --------------------------------------------------------------------------------
-    def forward(self, batch: ChunkBatch, cache: TrunkCache, lora: AdapterBatch | None = None) -> Tensor:
+    def forward(
+        self, batch: ChunkBatch, cache: TrunkCache, lora: AdapterBatch | None = None, probe: LayerProbe | None = None
+    ) -> Tensor:
         """Final-normed hidden states [N, hidden] (fp32) of the chunk's tokens; caches updated in place.
-        `lora`: the variants of the chunk's rows (clef_cuda.model.adapters); rows outside it are the base model's."""
+        `lora`: the variants of the chunk's rows (clef_cuda.model.adapters); rows outside it are the base model's.
+        `probe`: rows whose layer outputs are sketched and whose MLP rows are kept (clef_cuda.model.fingerprint:
+        shadow verification)."""
+        if self.peers is not None:
+            self.peers.run(self, "forward", batch, cache, lora is not None, probe is not None)
         eps = self.config.rms_norm_eps
-        ids = batch.host_input_ids if isinstance(self.embed, HostTable) and batch.host_input_ids is not None else None
-        x = self._embed(batch.input_ids if ids is None else ids).float().contiguous()  # the residual stream: fp32
-        if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens
-            x[batch.override_rows] = batch.override_values.float()
+        if self.embed is not None:
+            on_host = isinstance(self.embed, HostTable) and batch.host_input_ids is not None
+            ids = batch.host_input_ids if on_host else batch.input_ids
+            x = self._embed(ids).float().contiguous()  # the residual stream: fp32
+            if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens
+                x[batch.override_rows] = batch.override_values.float()
+        else:  # a tensor-parallel rank other than 0: rank 0 embeds
+            x = torch.empty(batch.input_ids.shape[0], self.config.hidden_size, device=self.device)
+        if self.collectives is not None:
+            self.collectives.broadcast(x)
         rope = self._rope(batch.positions)
         # Each block's output (in the serving dtype) is added to the residual stream by the next norm, in
         # the same pass (ops.add_rms_norm): the stream is read and written once per norm, not per step.
         delta = None
         for index, layer in enumerate(self.layers):
             h = self.ops.add_rms_norm(x, delta, layer.input_scale, eps, dtype=self.dtype)
+            if probe is not None:
+                probe.record(index, "mixer_res", x)
+                probe.record(index, "mixer_in", h)
             mixed = self._mix(layer, h, batch, cache, self.cache_index[index], rope, index, lora)
+            if self.collectives is not None:
+                mixed = self.collectives.all_reduce(mixed)
+            if probe is not None:
+                probe.record(index, "mixer", mixed)
             h = self.ops.add_rms_norm(x, mixed, layer.post_scale, eps)
-            act = self.ops.silu_mul(self._linear(h, layer.gate_up, lora, index, "gate_up"))
-            delta = self._linear(act, layer.down, lora, index, "down")
+            if probe is not None:
+                probe.record(index, "mlp_res", x)
+                probe.record(index, "mlp_in", h)
+            delta = self.mlp(index, h, lora)
+            if probe is not None:
+                probe.record(index, "mlp", delta)
         if delta is not None:
             x += delta.float()
         out = rms_norm(x, self.final_scale, eps)  # fp32 out, for the head: the one norm left eager
@@ -306,11 +354,29 @@ class Trunk:
             self.layers[layer_index], h, batch, cache, cache_index, self._rope(batch.positions), layer_index
         ).float()
 
+    def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int, name: str = "engine") -> TrunkCache:
+        """Zeroed state slots and KV blocks for this trunk (its shard's heads, on every rank: `name` is how the
+        other ranks know the pool a later call means)."""
+        if self.peers is not None:
+            self.peers.run(self, "allocate_cache", num_slots, num_blocks, block_size, name)
+        cache = TrunkCache.allocate(self.config, num_slots, num_blocks, block_size, self.device, self.dtype)
+        cache.name = name
+        return cache
+
+    def copy_slot(self, cache: TrunkCache, destination: int, source: int) -> None:
+        """State slot `source`'s delta-net state into slot `destination` (a prefix snapshot taken or restored),
+        on every rank."""
+        if self.peers is not None:
+            self.peers.run(self, "copy_slot", cache, destination, source)
+        cache.conv_states[:, destination].copy_(cache.conv_states[:, source])
+        cache.gdr_states[:, destination].copy_(cache.gdr_states[:, source])
+
     def with_ops(self, ops) -> Trunk:
         """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.reference,
         for every op (the autotune's choices are this trunk's, not the twin's)."""
         twin = copy.copy(self)
         twin.ops, twin.attention_choice = ops, None
+        twin.ops_name = "fast" if ops is self.ops and self.ops_name == "fast" else "reference"
         twin.int8_by_rows = [(sys.maxsize, "dequantize+gemm")]
         return twin
 
@@ -333,6 +399,22 @@ class Trunk:
         if isinstance(self.embed, Int8Weight | HostTable):
             return self.embed.rows(token_ids, self.ops)
         return self.embed[token_ids]
+
+    def norm(self, index: int, part: str, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """Layer `index`'s input norm (part "mixer_in") or post-mixer norm ("mlp_in") of the residual rows x
+        [N, hidden] fp32 (not changed), in `dtype` (shadow verification replays it from the served pass's rows)."""
+        scale = self.layers[index].input_scale if part == "mixer_in" else self.layers[index].post_scale
+        return self.ops.add_rms_norm(x.float().clone(), None, scale, self.config.rms_norm_eps, dtype=dtype)
+
+    def mlp(self, index: int, h: Tensor, lora: AdapterBatch | None = None, *, replay: bool = False) -> Tensor:
+        """Layer `index`'s MLP on its normed input h [N, hidden] (position-wise: shadow verification replays it,
+        replay=True, from the served pass's rows). Summed over the tensor-parallel ranks."""
+        if replay and self.peers is not None:
+            self.peers.run(self, "mlp", index, h)
+        layer = self.layers[index]
+        act = self.ops.silu_mul(self._linear(h, layer.gate_up, lora, index, "gate_up"))
+        out = self._linear(act, layer.down, lora, index, "down")
+        return self.collectives.all_reduce(out) if self.collectives is not None else out
 
     def _linear(self, x: Tensor, weight: Weight, lora: AdapterBatch | None, index: int, fused: str) -> Tensor:
         """A fused GEMM (an int8 weight dequantized first, by this trunk's ops), plus the variants' LoRA

@@ -21,6 +21,7 @@ class TrunkCache:
     key_cache: torch.Tensor  # [attention layers, blocks, block_size, Hkv, D], serving dtype
     value_cache: torch.Tensor
     block_size: int
+    name: str = "engine"  # which pool, to the other tensor-parallel ranks (Trunk.allocate_cache)
 
     @property
     def num_slots(self) -> int:

@@ -33,6 +33,7 @@ from clef_cuda.model.config import (
     VisionConfig,
 )
 from clef_cuda.model.quantize import Int8Weight, is_quantized_name, quantize_int8
+from clef_cuda.model.shard import Shard, TensorReader, shard_tensor
 from clef_cuda.model.vocab_tables import HostTable
 
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.")
@@ -272,8 +273,9 @@ def _open(path: Path):
         raise ReleaseError(f"{path}: not a readable safetensors file ({error})") from error
 
 
-def _tensors(path: Path, names: list[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from one safetensors file, lazily (memory-mapped)."""
+def _tensors(path: Path, names: list[str] | None, sliced: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from one safetensors file, lazily (memory-mapped); sliced=True: (name, a safetensors
+    slice), from which a tensor-parallel rank reads only its part."""
     from safetensors import SafetensorError
 
     handle = _open(path)
@@ -286,7 +288,7 @@ def _tensors(path: Path, names: list[str] | None) -> Iterator[tuple[str, torch.T
             keys = [k for k in keys if k in set(names)]
         for name in keys:
             try:
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if sliced else f.get_tensor(name))
             except (SafetensorError, OSError, RuntimeError, ValueError) as error:
                 raise ReleaseError(f"{path}: tensor {name} is unreadable ({error}); is the file truncated?") from error
 
@@ -327,10 +329,14 @@ def load_release_weights(
     progress: bool = True,
     quantize: str = "none",
     vocab_tables: str = "device",
+    shard: Shard | None = None,
 ) -> ReleaseWeights:
     """Stream the trunk (in `dtype`, fp32 for norms/decays/conv; with quantize="int8" its linear layers
     and embedding tables as int8) and head (in `head_dtype`) onto `device`. vocab_tables="host": the embedding
-    and LM-head tables stay in (pinned) host memory as HostTables (clef_cuda.model.vocab_tables)."""
+    and LM-head tables stay in (pinned) host memory as HostTables (clef_cuda.model.vocab_tables).
+    shard: a tensor-parallel rank's part only (clef_cuda.model.shard), read from the files by slices, so no
+    rank ever holds a whole sharded tensor; the vocabulary tables, the head and the vision tower on rank 0
+    only (the others get an empty head and no tower)."""
     if vocab_tables not in VOCAB_TABLE_PLACEMENTS:
         raise ValueError(f"vocab_tables must be one of {VOCAB_TABLE_PLACEMENTS}, got {vocab_tables!r}")
     from tqdm import tqdm
@@ -357,12 +363,21 @@ def load_release_weights(
         file=sys.stderr,
     )
     prefix = config.weight_prefix
+    sharded = shard is not None and shard.size > 1
+    if sharded and shard.rank > 0:  # rank 0 alone runs the tower and the head
+        expected_vision, expected_head = {}, {}
     with bar:
         for file, names in sorted(files.items()):
             path = model_dir / file
-            for name, tensor in _tensors(path, names):
+            for name, tensor in _tensors(path, names, sliced=sharded):
                 if name.startswith(SKIPPED_PREFIXES) or (name.startswith(VISION_PREFIX) and not expected_vision):
                     continue
+                if sharded:
+                    tensor = _shard_of(name, tensor, prefix, expected_trunk, config.trunk, shard, path)
+                    if tensor is None:  # not this rank's (a vocabulary table off rank 0)
+                        trunk[name[len(prefix) :] if name.startswith(prefix) else name] = None
+                        bar.update(1)
+                        continue
                 if name.startswith(VISION_PREFIX):
                     key = name[len(VISION_PREFIX) :]
                     if key not in expected_vision:
@@ -375,6 +390,8 @@ def load_release_weights(
                 key = name[len(prefix) :] if name.startswith(prefix) else name
                 if key not in expected_trunk or (key == name and name != "lm_head.weight"):
                     raise ReleaseError(f"{path}: unexpected tensor {name} (not part of the configured trunk)")
+                if sharded:  # its shape was checked whole; the part's is the rank's own
+                    expected_trunk[key] = tuple(tensor.shape)
                 if key in trunk:
                     raise ReleaseError(f"{path}: tensor {name} appears twice in the release")
                 # The vocabulary tables on the host are built there, then wrapped (rows go to `device`).
@@ -387,7 +404,7 @@ def load_release_weights(
                     trunk[key] = HostTable(trunk[key], device)
                 del tensor
                 bar.update(1)
-        for name, tensor in _tensors(head_path, None):
+        for name, tensor in _tensors(head_path, None) if expected_head else ():
             if name not in expected_head:
                 raise ReleaseError(f"{head_path}: unexpected tensor {name} (not part of the configured head)")
             head[name] = _place(name, tensor, expected_head[name], head_dtype, device, head_path)
@@ -409,3 +426,17 @@ def load_release_weights(
     if config.trunk.tie_word_embeddings:
         trunk["lm_head.weight"] = trunk["embed_tokens.weight"]
     return ReleaseWeights(trunk=trunk, head=head, vision=vision or None)
+
+
+def _shard_of(name: str, piece, prefix: str, expected: dict, config: TrunkConfig, shard: Shard, path: Path):
+    """A tensor-parallel rank's part of trunk tensor `name` (a safetensors slice, its whole shape checked
+    first); None when the rank holds none of it. Vision tensors pass whole (rank 0 alone reads them)."""
+    if name.startswith(VISION_PREFIX):
+        return piece[:]
+    key = name[len(prefix) :] if name.startswith(prefix) else name
+    if key not in expected:
+        raise ReleaseError(f"{path}: unexpected tensor {name} (not part of the configured trunk)")
+    if tuple(piece.get_shape()) != expected[key]:
+        raise ReleaseError(f"{path}: tensor {name} has shape {list(piece.get_shape())}, expected {list(expected[key])}")
+    reader = TensorReader(lambda a, b: piece[a:b], lambda a, b: piece[:, a:b], lambda: piece[:])
+    return shard_tensor(key, reader, config, shard)

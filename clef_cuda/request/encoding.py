@@ -78,6 +78,9 @@ class Tokenizer:
         self.client_special_tokens = client_special_tokens
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cached_chars = 0
+        # Characters of client text handed to the tokenizer, in all: what the budget bounds (a refused huge
+        # state costs its first budget's worth, not its size). /metrics exports it.
+        self.tokenized_chars = 0
         self._lock = threading.Lock()
         added = [t.content for t in backend.get_added_tokens_decoder().values()]
         self._added_tokens = [t for t in added if t]
@@ -121,6 +124,7 @@ class Tokenizer:
         """Client text (with template text that has no special tokens), each text on its own."""
         out: list[list[int] | None] = [self._remembered(text) for text in texts]
         todo = [i for i, ids in enumerate(out) if ids is None]
+        self.tokenized_chars += sum(len(texts[i]) for i in todo)
         fresh = self._client.encode_batch([texts[i] for i in todo], add_special_tokens=False)
         for i, encoding in zip(todo, fresh, strict=True):
             out[i] = encoding.ids
@@ -139,6 +143,7 @@ class Tokenizer:
         start = 0
         while start < len(text):
             cut = self.safe_cut(text, start + self.PIECE_CHARS)
+            self.tokenized_chars += cut - start
             ids += self._client.encode_batch_fast([text[start:cut]], add_special_tokens=False)[0].ids
             start = cut
             if len(ids) > limit and start < len(text):

@@ -33,19 +33,24 @@ import torch
 from clef_cuda.decider import Decider, record_chunk, request_images
 from clef_cuda.errors import ClefError, RequestTooLongError
 from clef_cuda.model.adapters import Adapter, AdapterBatch, AdapterRegistry
+from clef_cuda.model.fingerprint import CountSketch, Fingerprint, LayerProbe, sketch_positions
 from clef_cuda.model.head import HeadInputs, RecordLayout
 from clef_cuda.model.trunk import ChunkBatch
-from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.request.images import PreparedImage
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
 from clef_cuda.serving.guarded_ops import KernelFault, cuda_error_kind, first_line
-from clef_cuda.serving.plan import CachePlan, plan_cache
+from clef_cuda.serving.plan import CachePlan, plan_cache, shadow_run_bytes
 from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
-from clef_cuda.serving.shadow import ShadowConfig, ShadowSample, ShadowVerifier
+from clef_cuda.serving.shadow import SHADOW_FLOOR_CHUNK_TOKENS, ShadowConfig, ShadowSample, ShadowVerifier
 
 log = logging.getLogger("clef_cuda.serving.engine")
+
+# The idle lane (a shadow chunk, a timed self-check) waits until the engine has been idle this long: a client
+# that sends its next request as its last one is answered (a thread pool, a load test) does so within a
+# millisecond or two, so a saturating load never meets an idle-lane chunk it would have to wait behind.
+IDLE_GRACE_S = 0.02
 
 
 class QueueFullError(ClefError):
@@ -115,6 +120,7 @@ class _Sequence:
     base_head: Any = None  # the base model's joint head (used when the ticket has no variant)
     rope_positions: torch.Tensor | None = None  # [3, N] (None: text only)
     features: list[torch.Tensor | None] = field(default_factory=list)  # per image (None: its tokens are cached)
+    fingerprint: Fingerprint | None = None  # sampled for shadow verification: its layers' sketches
 
     @property
     def record(self) -> EncodedRecord:
@@ -147,7 +153,8 @@ def plan_memory(decider: Decider, config: EngineConfig, reserved_bytes: int = 0)
         import psutil
 
         free = psutil.virtual_memory().available
-    return plan_cache(decider.config.trunk, decider.trunk.dtype, config, free - reserved_bytes, device.type)
+    # The trunk's own config: on a tensor-parallel rank its shard's heads, whose slots and blocks it holds.
+    return plan_cache(decider.trunk.config, decider.trunk.dtype, config, free - reserved_bytes, device.type)
 
 
 class Engine:
@@ -178,14 +185,11 @@ class Engine:
             if decider.trunk.quantized
             else "",
         )
+        if config.shadow.enabled:  # a shadow run's memory is its own, beside the pools
+            reserved += shadow_run_bytes(decider.trunk.config, decider.trunk.dtype, config.max_model_len)
         self.plan = plan_memory(decider, config, reserved)
-        self.cache = TrunkCache.allocate(
-            decider.config.trunk,
-            self.plan.running_slots + self.plan.snapshot_slots,
-            self.plan.num_blocks,
-            config.block_size,
-            decider.device,
-            decider.trunk.dtype,
+        self.cache = decider.trunk.allocate_cache(
+            self.plan.running_slots + self.plan.snapshot_slots, self.plan.num_blocks, config.block_size
         )
         # Slots [0, running) hold running sequences; [running, running + snapshots) hold prefix snapshots.
         self.running_slots = FreeList(self.plan.running_slots)
@@ -215,9 +219,11 @@ class Engine:
         self.vision_seconds = 0.0  # time in the vision tower
         # Verification while serving: shadow runs of answered records, and the self-check on a timer.
         self.shadow = ShadowVerifier(config.shadow, decider.trunk.dtype, self._release)
+        self.sketch = CountSketch(decider.config.trunk.hidden_size, decider.device) if config.shadow.enabled else None
         self.selfcheck_report: SelfCheckReport | None = None  # the last timed run's (None: none yet)
         self.selfcheck_failure: str | None = None
         self._next_selfcheck: float | None = None
+        self._last_busy = 0.0  # when the scheduler last did real work (IDLE_GRACE_S)
         # A sticky CUDA error (clef_cuda.serving.guarded_ops): the device is unusable for the rest of this
         # process. The server's handler records the kernel and exits; without one the engine refuses work.
         self.kernel_fault: KernelFault | None = None
@@ -371,6 +377,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._head_thread.shutdown(wait=True)
+        peers = self.decider.trunk.peers
+        if peers is not None:  # the tensor-parallel workers go once the last step is done
+            peers.stop()
 
     # ---- the scheduler (engine thread) -------------------------------------------------------------
     def _loop(self) -> None:
@@ -378,7 +387,12 @@ class Engine:
             with self._lock:
                 while not self._queue and not self._running and not self._stop and not self._forget:
                     if self._idle_work():
-                        break
+                        # Idle for IDLE_GRACE_S first: a busy client's next request is usually on its way.
+                        remaining = self._last_busy + IDLE_GRACE_S - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        self._lock.wait(timeout=remaining)
+                        continue
                     self._lock.wait(timeout=self._idle_wait())
                 if self._stop and not self._queue and not self._running:
                     self.shadow.drop_in_progress()
@@ -388,7 +402,7 @@ class Engine:
                 if not busy:  # the idle lane: a timed self-check, else one chunk of a shadow run
                     self._idle_turn()
                     continue
-                self.shadow.drop_in_progress()  # a sample never waits behind, or delays, real work
+                self.shadow.pause()  # a sample never delays real work: it resumes at the next idle turn
                 self._drop_forgotten()
                 self._drop_cancelled()
                 self._admit()
@@ -397,12 +411,14 @@ class Engine:
                 else:
                     with self._lock:  # queued work that cannot be admitted yet: wait for a change
                         self._lock.wait(timeout=0.05)
+                self._last_busy = time.monotonic()
             except Exception as error:  # a server fault (e.g. an f16 overflow): fail the pack, keep serving
                 fault = self._kernel_fault(error)
                 log.exception("engine step failed")
                 for seq in list(self._running):
                     self._finish(seq, error=error)
-                if fault is not None:  # nothing can run on the device again: fail what waits, and stop
+                # Nothing can run on the device (or the tensor-parallel group) again: fail what waits, and stop.
+                if fault is not None or getattr(error, "fatal", False):
                     with self._lock:
                         waiting, self._queue = list(self._queue), deque()
                         self._accepting = False
@@ -450,7 +466,7 @@ class Engine:
         except Exception as error:  # the reference run itself failed: not a verdict on the kernels; drop it
             self._kernel_fault(error)
             log.exception("a shadow run failed")
-            self.shadow.drop_in_progress()
+            self.shadow.abandon_run()
 
     def _timed_selfcheck(self) -> None:
         report = run_selfcheck(self.decider.trunk, block_size=self.config.block_size)
@@ -589,6 +605,7 @@ class Engine:
                 started=time.perf_counter(),
                 base_head=self.decider.head,
                 rope_positions=record.rope_positions(),
+                fingerprint=Fingerprint(sketch_positions(record.num_tokens)) if self.shadow.wants() else None,
             )
             self._running.append(seq)
             admitted.append(seq)
@@ -623,9 +640,7 @@ class Engine:
             seq.features = [None if span.end <= seq.position else held[span.digest] for span in seq.record.media]
 
     def _restore(self, entry: PrefixEntry, slot: int, inputs: HeadInputs, layout: RecordLayout, spans) -> None:
-        cache = self.cache
-        cache.conv_states[:, slot].copy_(cache.conv_states[:, entry.snapshot_slot])
-        cache.gdr_states[:, slot].copy_(cache.gdr_states[:, entry.snapshot_slot])
+        self.decider.trunk.copy_slot(self.cache, slot, entry.snapshot_slot)
         inputs.memory[: entry.length].copy_(entry.memory)
         for index, (start, end) in enumerate(spans):
             if start < entry.length:
@@ -653,8 +668,7 @@ class Engine:
             if not self._evict_one():
                 return  # cannot make room: skip this snapshot
         (snap,) = self.snapshot_slots.take(1)
-        self.cache.conv_states[:, snap].copy_(self.cache.conv_states[:, seq.slot])
-        self.cache.gdr_states[:, snap].copy_(self.cache.gdr_states[:, seq.slot])
+        self.decider.trunk.copy_slot(self.cache, snap, seq.slot)
         blocks = seq.blocks[: point // self.config.block_size]
         self.blocks.share(blocks)
         self.prefix_cache.put(key, PrefixEntry(tokens, digests, blocks, snap, memory, span_sums, size))
@@ -682,7 +696,9 @@ class Engine:
                     segments.append((offset, offset + size, adapter))
             offset += size
         batch = ChunkBatch.build(chunks, self.config.block_size, self.decider.device)
-        hidden = self.decider.trunk.forward(batch, self.cache, AdapterBatch(segments) if segments else None)
+        started = time.perf_counter()
+        probe = self._probe(packed)
+        hidden = self.decider.trunk.forward(batch, self.cache, AdapterBatch(segments) if segments else None, probe)
         self.steps += 1
         offset = 0
         for seq, size in packed:
@@ -694,6 +710,29 @@ class Engine:
                 self._snapshot(seq, seq.position)
             if seq.position == seq.record.num_tokens:
                 self._finish(seq)
+        if self.shadow.floor_due(time.perf_counter() - started):  # under load: the shadow's floor
+            shadow_started = time.perf_counter()
+            try:
+                self.shadow.step(self.decider, SHADOW_FLOOR_CHUNK_TOKENS)
+            except Exception as error:
+                self._kernel_fault(error)
+                log.exception("a shadow run failed")
+                self.shadow.abandon_run()
+            self.shadow.floor_spent(time.perf_counter() - shadow_started)
+
+    def _probe(self, packed: list[tuple[_Sequence, int]]) -> LayerProbe | None:
+        """The step's rows to sketch: the fingerprinted records' sketch positions this chunk computes."""
+        rows, groups, offset = [], [], 0
+        for seq, size in packed:
+            if seq.fingerprint is not None:
+                mine = [p for p in seq.fingerprint.positions if seq.position <= p < seq.position + size]
+                if mine:
+                    rows += [offset + p - seq.position for p in mine]
+                    groups.append((seq.fingerprint, mine))
+            offset += size
+        if not rows:
+            return None
+        return LayerProbe(torch.tensor(rows, dtype=torch.int64, device=self.decider.device), groups, self.sketch)
 
     def _finish(self, seq: _Sequence, error: BaseException | None = None) -> None:
         """Release the sequence's slot and blocks (the head needs neither), then answer it on the head
@@ -719,7 +758,7 @@ class Engine:
             return
         ticket = seq.ticket
         sample = None
-        if self.shadow.wants():  # copied before the answer goes out; the answer is never touched again
+        if seq.fingerprint is not None:  # copied before the answer goes out; the answer is never touched again
             if ticket.adapter is not None:
                 self.adapters.hold(ticket.adapter)  # the sample's own hold: _settle lets go of the request's
             sample = ShadowSample(
@@ -730,6 +769,7 @@ class Engine:
                 ticket.adapter,
                 seq.head,
                 probabilities,
+                seq.fingerprint,
             )
         self.completed += 1
         self._settle(ticket, body)

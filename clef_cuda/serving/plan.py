@@ -157,6 +157,17 @@ def image_feature_bytes(trunk: TrunkConfig, dtype: torch.dtype, step_tokens: int
     return step_tokens * trunk.hidden_size * dtype_bytes(dtype)
 
 
+def shadow_run_bytes(trunk: TrunkConfig, dtype: torch.dtype, max_model_len: int, block_size: int = 16) -> int:
+    """What a shadow run (clef_cuda.serving.shadow) holds on the device while it lasts: one state slot, one
+    full-length record's KV blocks and the reference attention's fp32 scores over a chunk [heads,
+    SHADOW_CHUNK_TOKENS, context]."""
+    from clef_cuda.serving.shadow import SHADOW_CHUNK_TOKENS
+
+    blocks = -(-max_model_len // block_size)
+    scores = trunk.num_attention_heads * SHADOW_CHUNK_TOKENS * max_model_len * 4 if trunk.attention_layers else 0
+    return TrunkCache.slot_bytes(trunk, dtype) + blocks * TrunkCache.block_bytes(trunk, dtype, block_size) + scores
+
+
 def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
 
@@ -234,7 +245,7 @@ class ServingPlan:
             "fusing and quantizing + overhead)"
         )
         if self.reserved_bytes:
-            lines.append(f"  reserved       {gib(self.reserved_bytes):>10}  (adapter pool, vision cache)")
+            lines.append(f"  reserved       {gib(self.reserved_bytes):>10}  (adapter pool, vision cache, a shadow run)")
         if self.cache is not None:
             lines.append(f"  {self.cache.describe(self.block_size, self.max_model_len)}")
         if self.kernels:
@@ -293,6 +304,8 @@ def plan_serving(
     activations = max(trunk_step, vision_step) + features
     overhead = (CUDA_WORKSPACE_BYTES + (CUDA_CONTEXT_BYTES if context_counted else 0)) if on_gpu else HOST_RUNTIME_BYTES
     reserved = reserved_bytes + (engine_config.vision_cache_bytes if has_vision else 0)
+    if engine_config.shadow.enabled:  # a shadow run's own slot, KV blocks and reference scores
+        reserved += shadow_run_bytes(config.trunk, dtype, engine_config.max_model_len)
     free = device_bytes - sum(weights.values()) - scratch - overhead - reserved
     cache, problem = None, None
     if sum(weights.values()) + transient + overhead > device_bytes:

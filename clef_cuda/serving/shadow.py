@@ -1,24 +1,35 @@
 """Shadow verification: a sample of the records a server answered is decided again, in the scheduler's idle
 time, through the trunk on clef_cuda.reference (the pure-torch ops, fp32 inside; same weights, same device,
-the same joint head), and its probabilities compared with what was served.
+the same joint head), and compared with what was served: layer by layer, then the probabilities.
 
 The start-up self-check proves the kernels at a handful of shapes; this catches what only serving shows: a
 context past those shapes, a batch composition, a driver or firmware change under a running pod, a GPU that
 starts corrupting data. A served response is never touched: the record is re-run after it was answered,
 from a copy of what it was answered with.
 
-Sampling is deterministic: with rate r, record k (counting every answered record) is sampled when
-floor(k r) > floor((k - 1) r), so r = 0.01 checks every hundredth record and r = 1 every one. At most one
-sample waits; another that comes meanwhile is dropped and counted. A sample runs only while the engine has
-no queued or running record, one reference chunk (SHADOW_CHUNK_TOKENS) per idle turn of the scheduler, so a
-request that arrives waits at most one chunk; the sample is then dropped (counted), never resumed. Its
-memory is its own: one state slot and the record's KV blocks, allocated for the run and freed after; the
-engine's pools are not touched.
+Layer fingerprints (clef_cuda.model.fingerprint): a record is chosen for a sample when it is admitted, and its
+served pass sketches every layer's mixer and MLP input and output at a few positions and keeps the norms' and
+the MLP's rows whole there; the shadow run sketches the same on the reference ops and replays each norm and
+MLP on the reference ops from the served rows. A sample matches when every layer's output drift is within
+fingerprint_tolerance (of its kind, the serving dtype and the drift of the input it was handed), every norm
+and MLP replay's worst channel gain within REPLAY_TOLERANCE, and max |p_served - p_reference| over every
+option within SHADOW_TOLERANCE. A mismatch names the first layer (and its kind) that differs, or the head when only
+the probabilities do. Comparing only the final probabilities is the blunt end: a softmax near 0 or 1 hides
+most of a wrong layer.
 
-A sample matches when max |p_served - p_reference| over every option of every question is within
-SHADOW_TOLERANCE for the serving dtype: the worst healthy difference measured on the test releases and
-clef-tiny (benchmarks/shadow_tolerance.py; README, "Shadow verification") times SHADOW_MARGIN: fp32 1e-5
-(the floor), f16 3.5e-3, bf16 1.1e-2.
+Sampling is deterministic: with rate r, record k (counting every admitted record) is sampled when
+floor(k r) > floor((k - 1) r), so r = 0.01 checks every hundredth record and r = 1 every one. Up to
+SHADOW_QUEUE samples wait; one runs at a time, a reference chunk (SHADOW_CHUNK_TOKENS) per idle turn of the
+scheduler, so a request that arrives waits at most one chunk. Work arriving pauses the run (its reference state
+kept), and the next idle turn resumes it. A sample is dropped (counted) only when the queue is full or it has
+waited SHADOW_MAX_AGE_S. Under a load that leaves no idle turn, a floor: once no sample has finished for
+--shadow-min-interval, the scheduler runs one shadow chunk after a step whenever the shadow's time since the
+floor engaged is within SHADOW_FLOOR_SHARE (2%) of the steps' time. A run's memory is its own (one state slot
+and the record's KV blocks, allocated for the run; the memory plan reserves it: plan.shadow_run_bytes).
+
+Tolerances: the worst healthy difference measured on the test releases and clef-tiny
+(benchmarks/shadow_tolerance.py; README, "Shadow verification") times the margin, never below the fp32
+floor.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +47,16 @@ import torch
 from clef_cuda import reference
 from clef_cuda.decider import DEFAULT_BLOCK_SIZE, record_chunk
 from clef_cuda.model.adapters import Adapter, AdapterBatch
+from clef_cuda.model.config import LINEAR_ATTENTION
+from clef_cuda.model.fingerprint import (
+    CountSketch,
+    Fingerprint,
+    LayerProbe,
+    channel_gain_error,
+    fingerprint_drift,
+)
 from clef_cuda.model.head import RecordLayout
 from clef_cuda.model.trunk import ChunkBatch
-from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord
 from clef_cuda.request.images import PreparedImage
@@ -47,6 +67,16 @@ SHADOW_MODES = ("enforce", "warn", "off")
 # Tokens of the record per reference step: bounds the reference attention's [heads, chunk, context] fp32
 # scores (16 x 256 x 16k x 4 B = 256 MiB at clef-flash's worst) and how long a new request can wait.
 SHADOW_CHUNK_TOKENS = 256
+# The floor under load runs shorter chunks: each one delays the running requests by its time, so it is kept to a
+# few percent of a step.
+SHADOW_FLOOR_CHUNK_TOKENS = 32
+# Samples waiting, in host memory: each its request, record and fingerprint (the fingerprint's kept rows are the
+# most: 4,096 channels x 8 positions x 32 layers x 56 B, 14 MiB at clef-flash's shapes). At most SHADOW_QUEUE of
+# them and SHADOW_QUEUE_BYTES of fingerprints (18 at clef-flash's shapes); a sample past either is dropped.
+SHADOW_QUEUE = 32
+SHADOW_QUEUE_BYTES = 256 * 2**20
+SHADOW_MAX_AGE_S = 1800.0  # a sample that waited longer is dropped: the load never let it run
+SHADOW_FLOOR_SHARE = 0.02  # of step time, at most, that the floor under load gives the shadow run
 # Worst healthy max |p_served - p_reference| measured (benchmarks/shadow_tolerance.py --records 60, CPU,
 # 2026-12-02, after the fused glue and the retrained clef-tiny: 180 records per dtype over the upstream tiny
 # release, the mid test release and clef-tiny; f16's worst is clef-tiny's, bf16's the mid release's), times
@@ -56,13 +86,60 @@ SHADOW_MARGIN = 4.0
 SHADOW_FLOOR = 1e-5
 SHADOW_WORST_HEALTHY = {torch.float32: 7.8e-7, torch.float16: 8.7e-4, torch.bfloat16: 2.8e-3}
 SHADOW_TOLERANCE = {dtype: max(SHADOW_FLOOR, SHADOW_MARGIN * worst) for dtype, worst in SHADOW_WORST_HEALTHY.items()}
+# Layer fingerprints. A layer's output drifts from the reference by what it was handed (its input's drift, which
+# grows with depth as each layer's rounding is carried on) amplified by the layer, plus its own rounding. So a
+# layer is judged against its own input: drift(output) <= FINGERPRINT_MARGIN x (FINGERPRINT_GAIN x
+# drift(input) + the worst healthy local drift of its kind and dtype), never below FINGERPRINT_FLOOR. A fault
+# in a layer whose input still agrees (the first wrong layer) then stands out by itself, at any depth. The local
+# drift, max(0, drift(output) - GAIN x drift(input)), worst over 90 healthy records per dtype of the upstream
+# tiny release, the mid test release and clef-tiny (benchmarks/shadow_tolerance.py --records 30, CPU,
+# 2026-12-03); GAIN: the healthy output/input ratios seen reach 11 where the input's drift is tiny, 3 where it
+# is not, so 3 with the rest counted as local. The floor: fp32's summation-order differences (2.5e-5 seen with
+# LoRA variants and images), and a fault worth finding moves a layer by 0.5% or more.
+FINGERPRINT_KINDS = ("delta net", "attention", "MLP")
+FINGERPRINT_MARGIN = 4.0
+FINGERPRINT_GAIN = 3.0
+FINGERPRINT_FLOOR = 1e-4
+FINGERPRINT_WORST_HEALTHY = {  # the worst healthy local drift, per kind
+    torch.float32: {"delta net": 1.7e-6, "attention": 5.6e-7, "MLP": 7.5e-8},
+    torch.float16: {"delta net": 1.2e-3, "attention": 6.9e-4, "MLP": 2.3e-4},
+    torch.bfloat16: {"delta net": 7.9e-3, "attention": 2.6e-3, "MLP": 3.2e-3},
+}
+
+
+def fingerprint_tolerance(dtype: torch.dtype, kind: str, handed: float | None) -> float:
+    """A layer's drift tolerance, given its input's drift (`handed`; None: not sketched, taken as 0)."""
+    local = FINGERPRINT_WORST_HEALTHY.get(dtype, FINGERPRINT_WORST_HEALTHY[torch.bfloat16])[kind]
+    handed = handed if handed is not None and math.isfinite(handed) else 0.0  # a non-finite input excuses nothing
+    return max(FINGERPRINT_FLOOR, FINGERPRINT_MARGIN * (FINGERPRINT_GAIN * handed + local))
+
+
+def local_drift(error: float, handed: float | None) -> float:
+    """What a layer's drift adds to what it was handed (the quantity FINGERPRINT_WORST_HEALTHY bounds)."""
+    return max(0.0, error - FINGERPRINT_GAIN * (handed or 0.0))
+
+
+# The replays of the norms and MLPs (clef_cuda.model.fingerprint.channel_gain_error): layer-local, so one
+# tolerance for every depth: the worst healthy channel gain measured (benchmarks/shadow_tolerance.py --records
+# 30, CPU, 2026-12-03, as above: the norm replay's fp32 3.3e-7, f16 6.1e-4, bf16 2.4e-3; the MLP replay's is
+# exact in f16 and bf16 on the CPU, where served and reference round the same products the same way), but never
+# below one unit in the last place of the serving dtype per element (f16 2^-11, bf16 2^-8), what a GPU's other
+# summation order can give, times the margin; never below the floor.
+REPLAY_FLOOR = 1e-4
+REPLAY_WORST_HEALTHY = {torch.float32: 3.3e-7, torch.float16: 6.1e-4, torch.bfloat16: 2.0**-8}
+REPLAY_TOLERANCE = {
+    dtype: max(REPLAY_FLOOR, FINGERPRINT_MARGIN * worst) for dtype, worst in REPLAY_WORST_HEALTHY.items()
+}
 
 
 @dataclass(frozen=True)
 class ShadowConfig:
-    rate: float = 0.01  # of the answered records, in [0, 1]
+    rate: float = 0.01  # of the admitted records, in [0, 1]
     mode: str = "enforce"  # enforce: after max_mismatches the server stops answering; warn: log loudly; off
     max_mismatches: int = 1
+    # Under a load that leaves no idle time: once no sample has finished for this long, steps make room for the
+    # shadow run (at most SHADOW_FLOOR_SHARE of their time). None: never.
+    min_interval: float | None = 300.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.rate <= 1.0:
@@ -71,6 +148,8 @@ class ShadowConfig:
             raise ValueError(f"--shadow-mode must be one of {', '.join(SHADOW_MODES)}, got {self.mode!r}")
         if self.max_mismatches < 1:
             raise ValueError(f"--shadow-max-mismatches must be at least 1, got {self.max_mismatches}")
+        if self.min_interval is not None and self.min_interval <= 0:
+            raise ValueError(f"--shadow-min-interval must be positive, got {self.min_interval}")
 
     @property
     def enabled(self) -> bool:
@@ -88,6 +167,23 @@ class ShadowSample:
     adapter: Adapter | None  # held (AdapterRegistry.hold) until the sample is done; None: the base model
     head: Any  # the joint head that decided it
     served: list[list[float]]  # per question, the served probabilities in encoded order
+    fingerprint: Fingerprint | None = None  # the served pass's layer sketches
+    nbytes: int = 0  # the fingerprint's host memory (set when offered: SHADOW_QUEUE_BYTES)
+    offered_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    layer: int
+    kind: str  # "delta net" | "attention" | "MLP"
+    error: float  # drift: fingerprint_drift of the sketches; a replay: its worst channel gain
+    tolerance: float
+    test: str = "drift"  # "drift" | "norm replay" | "MLP replay"
+    input_error: float | None = None  # drift: the same layer's input's drift (what it was handed)
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance  # NaN compares false: fails
 
 
 @dataclass
@@ -96,6 +192,18 @@ class ShadowResult:
     probabilities: list[list[float]]
     max_abs_error: float
     worst_question: str
+    layers: list[LayerCheck] = field(default_factory=list)  # in layer order, mixer before MLP
+
+    @property
+    def first_bad_layer(self) -> LayerCheck | None:
+        return next((check for check in self.layers if not check.passed), None)
+
+    def where(self, tolerance: float) -> tuple[str, str]:
+        """(layer, kind) of the first difference over its tolerance: a layer's, else the head's ("-", "head")."""
+        bad = self.first_bad_layer
+        if bad is not None:
+            return str(bad.layer), bad.kind
+        return ("-", "head") if self.max_abs_error > tolerance else ("-", "-")
 
     def side_by_side(self, confidence: str = "clef") -> str:
         rows = []
@@ -118,28 +226,90 @@ class ShadowRun:
         self.trunk = decider.trunk.with_ops(reference)
         blocks = -(-record.num_tokens // DEFAULT_BLOCK_SIZE)
         # Its own memory, one record's: a state slot and the record's KV blocks (never the engine's pools).
-        self.cache = TrunkCache.allocate(
-            decider.config.trunk, 1, blocks, DEFAULT_BLOCK_SIZE, decider.device, decider.trunk.dtype
-        )
+        self.cache = self.trunk.allocate_cache(1, blocks, DEFAULT_BLOCK_SIZE, name="shadow")
         self.blocks = list(range(blocks))
         self.layout = RecordLayout.from_record(record, decider.device)
         self.inputs = sample.head.start(self.layout, record.num_tokens)
         self.positions = record.rope_positions()
         self.features = decider.image_features(sample.images) if sample.images else []
         self.position = 0
+        served = sample.fingerprint
+        self.fingerprint = Fingerprint(served.positions) if served is not None else None
+        self.sketch = CountSketch(decider.config.trunk.hidden_size, decider.device) if served is not None else None
 
     @torch.inference_mode()
-    def step(self) -> bool:
+    def step(self, tokens: int = SHADOW_CHUNK_TOKENS) -> bool:
+        """The next `tokens` of the record; True when the record is done."""
         record = self.sample.record
-        size = min(SHADOW_CHUNK_TOKENS, record.num_tokens - self.position)
+        size = min(tokens, record.num_tokens - self.position)
         chunk = record_chunk(record, self.position, size, 0, self.blocks, self.positions, self.features)
         lora = AdapterBatch([(0, size, self.sample.adapter)]) if self.sample.adapter is not None else None
+        probe = None
+        if self.fingerprint is not None:
+            mine = [p for p in self.fingerprint.positions if self.position <= p < self.position + size]
+            if mine:
+                rows = torch.tensor([p - self.position for p in mine], dtype=torch.int64, device=self.decider.device)
+                probe = LayerProbe(rows, [(self.fingerprint, mine)], self.sketch, keep_rows=False)
         hidden = self.trunk.forward(
-            ChunkBatch.build([chunk], DEFAULT_BLOCK_SIZE, self.decider.device), self.cache, lora
+            ChunkBatch.build([chunk], DEFAULT_BLOCK_SIZE, self.decider.device), self.cache, lora, probe
         )
         self.sample.head.consume(self.inputs, self.layout, hidden)
         self.position += size
         return self.position == record.num_tokens
+
+    def layer_checks(self) -> list[LayerCheck]:
+        """Every layer's mixer and MLP sketches, served against reference, in layer order."""
+        served, reference_ = self.sample.fingerprint, self.fingerprint
+        if served is None or reference_ is None:
+            return []
+        trunk_config, dtype = self.decider.config.trunk, self.decider.trunk.dtype
+        checks = []
+        for layer, layer_type in enumerate(trunk_config.layer_types):
+            mixer = "delta net" if layer_type == LINEAR_ATTENTION else "attention"
+            for part, kind in (("mixer", mixer), ("mlp", "MLP")):
+                if (error := self.norm_replay(layer, part + "_in")) is not None:
+                    checks.append(LayerCheck(layer, kind, error, self.replay_tolerance, "norm replay"))
+                if part == "mlp" and (error := self.mlp_replay(layer)) is not None:
+                    checks.append(LayerCheck(layer, kind, error, self.replay_tolerance, "MLP replay"))
+                drift = fingerprint_drift(
+                    served.sketch(layer, part), reference_.sketch(layer, part)
+                )
+                handed = fingerprint_drift(
+                    served.sketch(layer, part + "_in"), reference_.sketch(layer, part + "_in")
+                )
+                if drift is not None:
+                    tolerance = fingerprint_tolerance(dtype, kind, handed)
+                    checks.append(LayerCheck(layer, kind, drift, tolerance, "drift", handed))
+        return checks
+
+    @property
+    def replay_tolerance(self) -> float:
+        return REPLAY_TOLERANCE.get(self.decider.trunk.dtype, REPLAY_TOLERANCE[torch.bfloat16])
+
+    def _lora(self, rows: int) -> AdapterBatch | None:
+        return AdapterBatch([(0, rows, self.sample.adapter)]) if self.sample.adapter is not None else None
+
+    @torch.inference_mode()
+    def norm_replay(self, layer: int, part: str) -> float | None:
+        """Layer `layer`'s input norm (part "mixer_in") or post-mixer norm ("mlp_in") on the reference ops from
+        the served pass's residual rows: the worst channel gain of the served norm's output against it."""
+        kept = self.sample.fingerprint.replay_pair(layer, part.replace("_in", "_res"), part)
+        if kept is None:
+            return None
+        residual, served = kept
+        reference_ = self.trunk.norm(layer, part, residual.to(self.decider.device), served.dtype)
+        return channel_gain_error(served.float(), reference_.float().cpu())
+
+    @torch.inference_mode()
+    def mlp_replay(self, layer: int) -> float | None:
+        """Layer `layer`'s MLP on the reference ops from the served pass's input rows: the worst channel gain
+        of the served output against it (None: the rows were not kept)."""
+        kept = self.sample.fingerprint.replay_pair(layer, "mlp_in", "mlp")
+        if kept is None:
+            return None
+        inputs, served = kept
+        reference_ = self.trunk.mlp(layer, inputs.to(self.decider.device), self._lora(inputs.shape[0]), replay=True)
+        return channel_gain_error(served.float(), reference_.float().cpu())
 
     @torch.inference_mode()
     def result(self) -> ShadowResult:
@@ -156,7 +326,7 @@ class ShadowRun:
             error = max(abs(a - b) if math.isfinite(b) else math.inf for a, b in zip(served, shadow, strict=True))
             if error > worst or not worst_question:
                 worst, worst_question = error, question.question_id
-        return ShadowResult(self.sample, probabilities, worst, worst_question)
+        return ShadowResult(self.sample, probabilities, worst, worst_question, self.layer_checks())
 
 
 @dataclass
@@ -166,63 +336,107 @@ class ShadowStats:
     dropped: int = 0
     max_abs_error: float = 0.0
     errors: list[float] = field(default_factory=list)  # the last 1,000 checked samples' max |dp|
+    # Per kind of layer output, each checked sample's worst local drift, and per replay ("norm replay", "MLP
+    # replay") its worst channel gain (the tolerance benchmark reads them): the last 1,000 samples' values.
+    layer_errors: dict[str, list[float]] = field(default_factory=dict)
+    mismatches_by_layer: dict[tuple[str, str], int] = field(default_factory=dict)  # (layer, kind) -> count
+    last_mismatch: dict | None = None  # for /ready: request, layer, kind, error, tolerance
+    first_mismatch: dict | None = None
+    resumed: int = 0  # runs paused by work arriving and resumed later
+    floor_chunks: int = 0  # chunks run under load by the --shadow-min-interval floor
+    floor_step_seconds: float = 0.0  # step time while the floor was engaged, in all
+    floor_shadow_seconds: float = 0.0  # shadow time the floor gave, in all
 
 
 class ShadowVerifier:
-    """The engine's shadow lane: sampling, the one waiting sample, the run in progress, the verdicts."""
+    """The engine's shadow lane: sampling at admission, the waiting samples, the run in progress (paused while
+    work runs, resumed when idle), the floor under load, the verdicts."""
 
     def __init__(self, config: ShadowConfig, dtype: torch.dtype, release) -> None:
         self.config, self.release = config, release  # release(adapter): let go of a held variant
         self.tolerance = SHADOW_TOLERANCE.get(dtype, SHADOW_TOLERANCE[torch.bfloat16])
         self.stats = ShadowStats()
         self.failure: str | None = None  # set once enforce mode has seen max_mismatches mismatches
-        self._answered = 0
+        self._admitted = 0
         self._lock = threading.Lock()
-        self._waiting: ShadowSample | None = None
+        self._waiting: deque[ShadowSample] = deque()
         self._run: ShadowRun | None = None
+        self._paused = False  # the run in progress was interrupted by work (counted once it resumes)
+        self._last_finished = time.monotonic()
+        self._floor_step_seconds = 0.0  # step time since the floor engaged
+        self._floor_shadow_seconds = 0.0  # shadow time it gave the run
 
     def wants(self) -> bool:
-        """Whether the record being answered now is to be sampled (called once per answered record)."""
+        """Whether the record being admitted now is to be sampled (called once per admitted record): its served
+        pass then keeps a fingerprint."""
         if not self.config.enabled:
             return False
         with self._lock:
-            self._answered += 1
-            k, r = self._answered, self.config.rate
+            self._admitted += 1
+            k, r = self._admitted, self.config.rate
             return math.floor(k * r) > math.floor((k - 1) * r)
 
     def offer(self, sample: ShadowSample) -> None:
+        sample.nbytes = sample.fingerprint.nbytes() if sample.fingerprint is not None else 0
         with self._lock:
-            if self._waiting is None and self._run is None:
-                self._waiting = sample
+            waiting = sum(s.nbytes for s in self._waiting)
+            if len(self._waiting) < SHADOW_QUEUE and waiting + sample.nbytes <= SHADOW_QUEUE_BYTES:
+                self._waiting.append(sample)
                 return
             self.stats.dropped += 1
         self.release(sample.adapter)
 
     @property
     def has_work(self) -> bool:
-        return self._waiting is not None or self._run is not None
+        return bool(self._waiting) or self._run is not None
+
+    def pause(self) -> None:
+        """Real work arrived: the run in progress keeps its state and resumes at the next idle turn."""
+        if self._run is not None:
+            self._paused = True
+
+    def abandon_run(self) -> None:
+        """The run in progress failed (not a verdict on the kernels): it is dropped (counted), the queue kept."""
+        run, self._run = self._run, None
+        if run is not None:
+            self.stats.dropped += 1
+            self.release(run.sample.adapter)
 
     def drop_in_progress(self) -> None:
-        """Real work arrived: the waiting sample or the run in progress is dropped (counted), never resumed."""
+        """The engine stops: every waiting sample and the run in progress are dropped (counted)."""
         with self._lock:
-            dropped = self._run.sample if self._run is not None else self._waiting
-            self._run = self._waiting = None
-            if dropped is not None:
-                self.stats.dropped += 1
-        if dropped is not None:
-            self.release(dropped.adapter)
+            dropped = list(self._waiting) + ([self._run.sample] if self._run is not None else [])
+            self._waiting.clear()
+            self._run = None
+            self.stats.dropped += len(dropped)
+        for sample in dropped:
+            self.release(sample.adapter)
 
-    def step(self, decider) -> ShadowResult | None:
-        """One reference chunk of the sample in hand (engine thread, idle only); its result when done."""
+    def _drop_aged(self) -> None:
+        now = time.monotonic()
         with self._lock:
-            if self._run is None and self._waiting is not None:
-                sample, self._waiting = self._waiting, None
-            else:
-                sample = None
+            aged = [s for s in self._waiting if now - s.offered_at > SHADOW_MAX_AGE_S]
+            for sample in aged:
+                self._waiting.remove(sample)
+            self.stats.dropped += len(aged)
+        for sample in aged:
+            self.release(sample.adapter)
+
+    def step(self, decider, tokens: int = SHADOW_CHUNK_TOKENS) -> ShadowResult | None:
+        """One reference chunk (`tokens` of the record) of the sample in hand (engine thread); its result when
+        done."""
+        self._drop_aged()
+        with self._lock:
+            sample = self._waiting.popleft() if self._run is None and self._waiting else None
         if sample is not None:
             self._run = ShadowRun(decider, sample)
         run = self._run
-        if run is None or not run.step():
+        if run is None:
+            return None
+        if self._paused:
+            self._paused = False
+            self.stats.resumed += 1
+        if not run.step(tokens):
             return None
         self._run = None
         try:
@@ -230,22 +444,70 @@ class ShadowVerifier:
         finally:
             self.release(run.sample.adapter)
         self._judge(result)
+        self._last_finished = time.monotonic()
+        self._floor_step_seconds = self._floor_shadow_seconds = 0.0
         return result
+
+    def floor_due(self, step_seconds: float) -> bool:
+        """After a step under load: whether the --shadow-min-interval floor gives the run a chunk now (no
+        sample finished within the interval, and the shadow's share of step time stays within
+        SHADOW_FLOOR_SHARE). The engine then runs step() and reports its time with floor_spent()."""
+        interval = self.config.min_interval
+        if interval is None or not self.has_work or time.monotonic() - self._last_finished < interval:
+            return False
+        self._floor_step_seconds += step_seconds
+        self.stats.floor_step_seconds += step_seconds
+        return self._floor_shadow_seconds <= SHADOW_FLOOR_SHARE * self._floor_step_seconds
+
+    def floor_spent(self, seconds: float) -> None:
+        self._floor_shadow_seconds += seconds
+        self.stats.floor_shadow_seconds += seconds
+        self.stats.floor_chunks += 1
 
     def _judge(self, result: ShadowResult) -> None:
         s = self.stats
         s.max_abs_error = max(s.max_abs_error, result.max_abs_error)
         s.errors = (s.errors + [result.max_abs_error])[-1000:]
-        if result.max_abs_error <= self.tolerance:
+        for kind in FINGERPRINT_KINDS:  # local drift, as the tolerances are measured
+            checks = [c for c in result.layers if c.kind == kind and c.test == "drift"]
+            drifts = [local_drift(c.error, c.input_error) for c in checks]
+            if drifts:
+                s.layer_errors[kind] = (s.layer_errors.get(kind, []) + [max(drifts)])[-1000:]
+        for test in ("norm replay", "MLP replay"):
+            replays = [c.error for c in result.layers if c.test == test]
+            if replays:
+                s.layer_errors[test] = (s.layer_errors.get(test, []) + [max(replays)])[-1000:]
+
+        layer, kind = result.where(self.tolerance)
+        if kind == "-":
             s.match += 1
             return
         s.mismatch += 1
+        s.mismatches_by_layer[(layer, kind)] = s.mismatches_by_layer.get((layer, kind), 0) + 1
+        bad = result.first_bad_layer
+        error, tolerance = (bad.error, bad.tolerance) if bad is not None else (result.max_abs_error, self.tolerance)
+        check = f" {bad.test}" if bad is not None and bad.test != "drift" else ""
+        where = f"layer {layer} ({kind}{check})" if kind != "head" else "the head (every layer's fingerprint matched)"
+        s.last_mismatch = {
+            "request_id": result.sample.request_id,
+            "layer": layer,
+            "kind": kind,
+            "error": error,
+            "tolerance": tolerance,
+            "check": bad.test if bad is not None else "probabilities",
+            "max_abs_dp": result.max_abs_error,
+        }
+        if s.first_mismatch is None:
+            s.first_mismatch = s.last_mismatch
         banner = "!" * 100
         log.error(
-            "%s\nshadow verification MISMATCH on request %s: max |p_served - p_reference| %.3g > tolerance %.3g "
-            "(worst question %r, %d tokens)\n%s\n%s",
+            "%s\nshadow verification MISMATCH on request %s, first at %s: error %.3g > tolerance %.3g; max "
+            "|p_served - p_reference| %.3g (probability tolerance %.3g, worst question %r, %d tokens)\n%s\n%s",
             banner,
             result.sample.request_id,
+            where,
+            error,
+            tolerance,
             result.max_abs_error,
             self.tolerance,
             result.worst_question,
@@ -256,8 +518,8 @@ class ShadowVerifier:
         if self.config.mode == "enforce" and s.mismatch >= self.config.max_mismatches and self.failure is None:
             self.failure = (
                 f"shadow verification failed: {s.mismatch} served record(s) differed from the reference ops "
-                f"(request {result.sample.request_id}: max |dp| {result.max_abs_error:.3g} > {self.tolerance:.3g}, "
-                f"question {result.worst_question!r})"
+                f"(request {result.sample.request_id}: first at {where}, error {error:.3g} > {tolerance:.3g}; max "
+                f"|dp| {result.max_abs_error:.3g}, question {result.worst_question!r})"
             )
             log.error("%s; decisions are refused until an operator restarts the server", self.failure)
         elif self.config.mode == "warn":

@@ -20,6 +20,13 @@ std::vector<std::string> supported_cpu_isas() {
 
 std::string get_cpu_isa() { return cpu_isa_name(cpu_isa()); }
 
+std::vector<int64_t> cpu_isa_calls() {
+  std::vector<int64_t> calls;
+  for (CpuIsa isa : {CpuIsa::Avx512, CpuIsa::Avx2, CpuIsa::Baseline})
+    calls.push_back(cpu_isa_call_counts()[static_cast<int>(isa)].load(std::memory_order_relaxed));
+  return calls;
+}
+
 std::string set_cpu_isa(c10::string_view name) {
   CpuIsa wanted = best_cpu_isa();
   if (name != "auto") {

@@ -28,6 +28,7 @@
   static CLEF_TARGET_AVX2 void name##_avx2 params { impl2 args; }                   \
   static void name##_baseline params { impl_base args; }                            \
   inline auto name##_for(::clef::CpuIsa isa) {                                      \
+    ::clef::count_cpu_isa_call(isa);                                                \
     return isa == ::clef::CpuIsa::Avx512 ? name##_avx512                            \
            : isa == ::clef::CpuIsa::Avx2 ? name##_avx2 : name##_baseline;           \
   }
@@ -66,6 +67,16 @@ inline std::atomic<int>& cpu_isa_setting() {
   return setting;
 }
 inline CpuIsa cpu_isa() { return static_cast<CpuIsa>(cpu_isa_setting().load(std::memory_order_relaxed)); }
+
+// How many times each variant was picked (name##_for, once per op call, outside the parallel loops), so a
+// test can see which variant the kernels really ran: that CLEF_CPU_ISA reaches them, not just cpu_isa().
+inline std::atomic<int64_t>* cpu_isa_call_counts() {
+  static std::atomic<int64_t> counts[3];  // by CpuIsa
+  return counts;
+}
+inline void count_cpu_isa_call(CpuIsa isa) {
+  cpu_isa_call_counts()[static_cast<int>(isa)].fetch_add(1, std::memory_order_relaxed);
+}
 
 // 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones. aligned(4) lets it load from any float
 // address. Used where the compiler's auto-vectoriser would not keep accumulators in registers.
