@@ -230,6 +230,26 @@ def vision_release() -> Path:
     return build_release(Path(tempfile.mkdtemp(prefix="clef-vision-")) / "release", text=VISION_TEXT, seed=1)
 
 
+# Every head count a multiple of 4, so the trunk shards over 4 tensor-parallel ranks (the upstream tiny release's
+# 2 KV heads stop at 2): one KV head, one key head and two value heads a rank, with the image tower.
+TP4_TEXT = dict(
+    MID_TEXT,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    head_dim=16,
+)
+
+
+@functools.cache
+def tp4_release() -> Path:
+    """A release that shards over 4 tensor-parallel ranks."""
+    return build_release(Path(tempfile.mkdtemp(prefix="clef-tp4-")) / "release", text=TP4_TEXT, seed=2)
+
+
 @functools.cache
 def save_processor(out: Path, tokenizer) -> None:
     """The processor files the reference loader needs (it builds the Qwen3-VL processor even for text):

@@ -123,6 +123,26 @@ def test_probes_ports_and_service_match_the_app():
     assert port["port"] == 80 and port["targetPort"] in ("http", 8080)
 
 
+def test_the_two_gpu_variant_differs_from_the_deployment_only_in_its_cards():
+    """deploy/k8s/tensor-parallel-2: the same object (name, labels, probes) with --tensor-parallel-size 2, two
+    GPUs a pod, a memory-backed /dev/shm for NCCL; every flag one clef-serve knows."""
+    one = manifests()["Deployment"]
+    (two,) = documents(K8S / "tensor-parallel-2" / "deployment.yaml")
+    assert (two["metadata"], two["spec"]["selector"]) == (one["metadata"], one["spec"]["selector"])
+    pod_one, pod_two = one["spec"]["template"]["spec"], two["spec"]["template"]["spec"]
+    c_one, c_two = pod_one["containers"][0], pod_two["containers"][0]
+    args = build_parser().parse_args(c_two["args"])
+    assert args.tensor_parallel_size == 2 and args.dtype == "f16" and args.tensor_parallel_timeout == 60
+    assert c_two["resources"]["limits"]["nvidia.com/gpu"] == c_two["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c_two[probe] == c_one[probe]
+    mounts = {m["name"]: m["mountPath"] for m in c_two["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_two["volumes"]}
+    assert mounts["shm"] == "/dev/shm" and volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    dropped = {"--tensor-parallel-size", "2", "--tensor-parallel-timeout", "60s"}
+    assert [a for a in c_two["args"] if a not in dropped] == [a for a in c_one["args"] if a not in dropped]
+
+
 def test_pdb_and_hpa_target_the_deployment():
     docs = manifests()
     labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]

@@ -1,0 +1,310 @@
+"""Tensor parallel (clef_cuda.model.shard, clef_cuda.serving.tensor_parallel) on the CPU over gloo: each rank loads
+only its shard; TP=2 and TP=4 answer as one device does over the random-request corpus (chunked prefill and
+prefix-cache hits included); a worker killed or hung turns /ready 503 and the server exits 5, never a hang; the
+one-line refusals; the memory plan per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+from parity import INT8_BOUNDS, assert_answers_match
+from random_requests import random_request
+from releases import flash_config_release, tiny_release, tp4_release
+
+from clef_cuda import Decider
+from clef_cuda.model.config import load_release_config
+from clef_cuda.model.shard import Shard, local_config
+from clef_cuda.model.weights import load_release_weights
+from clef_cuda.request import answers
+from clef_cuda.serving.engine import Engine, EngineConfig
+from clef_cuda.serving.shadow import ShadowConfig
+from clef_cuda.serving.tensor_parallel import TensorParallel
+
+ROOT = Path(__file__).resolve().parents[1]
+TP_BOUND = 1e-5  # |p_TP - p_one device| in fp32: the partial sums add in another order, nothing else differs
+
+
+def nbytes(weights: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_loads_its_share_of_the_trunk(size):
+    """The layers' bytes split N ways (norm gains, a few KiB, replicated); the vocabulary tables on rank 0
+    only; every rank's tensors have its local config's shapes."""
+    path = tp4_release()
+    config = load_release_config(path)
+    whole = load_release_weights(path, config, progress=False).trunk
+    tables = ("embed_tokens.weight", "lm_head.weight")
+    layers = nbytes({k: v for k, v in whole.items() if k not in tables})
+    replicated = nbytes({k: v for k, v in whole.items() if k.endswith(("norm.weight", "layernorm.weight"))})
+    for rank in range(size):
+        shard = load_release_weights(path, config, progress=False, shard=Shard(rank, size)).trunk
+        mine = nbytes({k: v for k, v in shard.items() if k not in tables})
+        assert mine == (layers - replicated) // size + replicated, (rank, mine, layers)
+        assert all((shard[t] is not None) == (rank == 0) for t in tables)
+        from clef_cuda.model.weights import trunk_shapes
+
+        expected = trunk_shapes(local_config(config.trunk, size))
+        for key, tensor in shard.items():
+            if tensor is not None and key not in tables:
+                assert tuple(tensor.shape) == expected[key], key
+
+
+def capture_answers(monkeypatch) -> list[dict[str, float]]:
+    """Each answered question's unrounded probabilities by option, in answer order."""
+    seen: list[dict[str, float]] = []
+    real = answers.answer
+
+    def record(question, probabilities, confidence="clef"):
+        seen.append(dict(probabilities))
+        return real(question, probabilities, confidence)
+
+    monkeypatch.setattr(answers, "answer", record)
+    return seen
+
+
+def corpus() -> list[dict]:
+    """Random requests, long ones in several prefill chunks, and repeats and shared prefixes: prefix-cache hits."""
+    rng = random.Random(41)
+    requests = [random_request(rng, null_score_levels=False, state_words=(5, 300)) for _ in range(8)]
+    shared = random_request(rng, null_score_levels=False, state_words=(120, 150))
+    requests += [shared, shared, dict(shared, questions=dict(list(shared["questions"].items())[:1]))]
+    return requests
+
+
+def serve(
+    path: Path, size: int, requests: list[dict], seen: list, shadow: ShadowConfig | None = None, **load
+) -> tuple[list[dict], list, Engine]:
+    shadow = shadow or ShadowConfig()
+    group = TensorParallel(size) if size > 1 else None
+    decider = Decider.from_release(path, device="cpu", progress=False, tensor_parallel=group, **load)
+    config = EngineConfig(
+        max_model_len=4096, kv_fraction=0.02, prefill_chunk_size=128, min_snapshot_tokens=32, shadow=shadow
+    )
+    engine = Engine(decider, config)
+    engine.start()
+    try:
+        bodies, probabilities = [], []
+        for request in requests:
+            seen.clear()
+            bodies.append(engine.decide(request, timeout=300))
+            probabilities.append(list(seen))
+        stats, deadline = engine.shadow.stats, time.monotonic() + 300
+        while shadow.enabled and stats.match + stats.mismatch + stats.dropped < len(requests):
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+        return bodies, probabilities, engine
+    finally:
+        engine.stop(60)
+
+
+@pytest.mark.parametrize(("size", "release"), [(2, tiny_release), (4, tp4_release), (2, tp4_release)])
+def test_tensor_parallel_answers_equal_one_device(monkeypatch, size, release):
+    seen = capture_answers(monkeypatch)
+    requests = corpus()
+    one, p_one, _ = serve(release(), 1, requests, seen)
+    many, p_many, engine = serve(release(), size, requests, seen)
+    assert engine.prefix_cache.hits > 0  # the repeats were restored from snapshots, on every rank
+    worst = max(
+        abs(p[option] - q[option])
+        for x, y in zip(p_one, p_many, strict=True)
+        for p, q in zip(x, y, strict=True)
+        for option in p
+    )
+    assert worst <= TP_BOUND, worst
+    # The rounded answers: the one-device ones, but for a value within TP_BOUND of a rounding boundary.
+    for ours, theirs, unrounded in zip(many, one, p_one, strict=True):
+        assert ours["usage"] == theirs["usage"] and ours["model"] == theirs["model"]
+        by_question = dict(zip(theirs["answers"], unrounded, strict=True))
+        assert_answers_match(ours["answers"], theirs["answers"], by_question, TP_BOUND)
+
+
+def test_shadow_runs_the_reference_on_every_rank_and_matches(monkeypatch):
+    """Shadow verification under TP=2 (every record): the reference ops and the MLP replays run on both ranks
+    (their partial sums all-reduced), and every healthy record matches, layer by layer."""
+    seen = capture_answers(monkeypatch)
+    requests = corpus()[:5]
+    _, _, engine = serve(tiny_release(), 2, requests, seen, shadow=ShadowConfig(rate=1.0, mode="warn"))
+    stats = engine.shadow.stats
+    assert (stats.match, stats.mismatch, stats.dropped) == (len(requests), 0, 0), stats
+
+
+def test_int8_shards_stay_within_the_int8_bound(monkeypatch):
+    """int8 weights quantized per shard (a row-parallel layer's scales per rank's columns): within the int8
+    bound of the fp32 model, as one device's int8 is."""
+    seen = capture_answers(monkeypatch)
+    requests = corpus()[:4]
+    _, p_f32, _ = serve(tiny_release(), 1, requests, seen)
+    _, p_int8, _ = serve(tiny_release(), 2, requests, seen, quantize="int8")
+    worst = max(
+        abs(p[option] - q[option])
+        for x, y in zip(p_f32, p_int8, strict=True)
+        for p, q in zip(x, y, strict=True)
+        for option in p
+    )
+    assert 0 < worst <= INT8_BOUNDS[("upstream-tiny", "f32")], worst
+
+
+# ---- the server: faults, refusals, the plan ---------------------------------------------------------------
+def clef_serve(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=300, cwd=ROOT, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tp", "4"], "--tensor-parallel-size 4 does not divide the model's 2 KV heads"),
+        (["--tp", "3"], "--tensor-parallel-size must be one of 1, 2, 4, got 3"),
+    ],
+)
+def test_what_cannot_shard_is_refused_in_one_line(flags, message):
+    result = clef_serve("--w", str(tiny_release()), "--d", "cpu", *flags)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("clef-serve: error: ") and message in line, line
+
+
+def test_variants_with_tensor_parallel_are_refused_in_one_line(tmp_path):
+    from adapter_fixtures import checkpoint
+
+    result = clef_serve("--w", str(tiny_release()), "--d", "cpu", "--tp", "2", "--adapter", f"all={checkpoint('all')}")
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "LoRA variants" in line and "--tensor-parallel-size 1" in line
+
+
+def test_the_plan_per_rank_fits_clef_flash_in_f16_on_two_16_gb_cards(tmp_path):
+    """The seed's flags, f16, two cards of 16 GiB: at least 16k KV tokens a record on rank 0 (the fullest);
+    one such card alone does not hold clef-flash in f16."""
+    release = flash_config_release(tmp_path / "flash")
+    seed = ["--max-num-seqs", "4", "--kv-fraction", "0.30", "--max-model-len", "16384", "--dtype", "f16"]
+    two = clef_serve("--w", str(release), "--plan", "--gpu-memory", "16GiB", "--tp", "2", *seed, "--d", "cpu")
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "tensor parallel: rank 0 of 2" in two.stdout and "fits: yes" in two.stdout
+    (tokens,) = re.findall(r"= (\d+) tokens \(", two.stdout)
+    assert int(tokens) >= 16384, two.stdout
+    one = clef_serve("--w", str(release), "--plan", "--gpu-memory", "16GiB", *seed, "--d", "cpu")
+    assert one.returncode == 3, one.stdout
+
+
+def start_server(port: int, *flags: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "app.cli", "--w", str(tiny_release()), "--d", "cpu", "--port", str(port)]
+    return subprocess.Popen(
+        [*command, "--tp", "2", *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_ready(port: int, server: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, server.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the server did not become ready")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_of(server: subprocess.Popen) -> psutil.Process:
+    (worker,) = [p for p in psutil.Process(server.pid).children() if "tensor_parallel" in " ".join(p.cmdline())]
+    return worker
+
+
+def test_a_killed_worker_turns_ready_503_and_the_server_exits_5():
+    port = free_port()
+    server = start_server(port)
+    try:
+        wait_ready(port, server)
+        request = {
+            "model": "clef-flash",
+            "state": "disk full on db-1",
+            "questions": {"q": {"type": "noul", "instructions": "Down?"}},
+        }
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/systemone", json=request, timeout=60).status_code == 200
+        worker_of(server).kill()
+        statuses = []
+        deadline = time.monotonic() + 10
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                statuses.append(httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code)
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        assert server.wait(10) == 5
+        assert 503 in statuses and 200 not in statuses[statuses.index(503) :], statuses
+        assert "tensor-parallel rank 1 exited" in server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def test_a_hung_worker_fails_the_step_within_the_timeout_and_the_server_exits_5():
+    """A worker stopped (SIGSTOP: alive, answering nothing): the next step's collective outlasts
+    --tensor-parallel-timeout, the request gets an error, /ready 503, exit 5; never a hang."""
+    port = free_port()
+    server = start_server(port, "--tensor-parallel-timeout", "3s")
+    worker = None
+    try:
+        wait_ready(port, server)
+        worker = worker_of(server)
+        os.kill(worker.pid, signal.SIGSTOP)
+        request = {
+            "model": "clef-flash",
+            "state": "disk full on db-1",
+            "questions": {"q": {"type": "noul", "instructions": "Down?"}},
+        }
+        started = time.monotonic()
+        try:
+            status = httpx.post(f"http://127.0.0.1:{port}/v1/systemone", json=request, timeout=60).status_code
+        except httpx.HTTPError:
+            status = None  # the server exited while answering
+        assert status != 200 and time.monotonic() - started < 30
+        assert server.wait(30) == 5
+    finally:
+        if worker is not None and worker.is_running():
+            worker.kill()
+        if server.poll() is None:
+            server.kill()
+
+
+def test_sigterm_drains_and_stops_every_rank():
+    port = free_port()
+    server = start_server(port)
+    try:
+        wait_ready(port, server)
+        worker = worker_of(server)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+        worker.wait(30)  # the worker exited too (psutil raises TimeoutExpired if not)
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def test_the_corpus_has_prefix_hits_for_the_parity_test():
+    assert json.dumps(corpus()[8]) == json.dumps(corpus()[9])
