@@ -564,6 +564,7 @@ def create_app(
                 "mismatch": stats.mismatch,
                 "dropped": stats.dropped,
                 "resumed": stats.resumed,
+                "restarted": stats.restarted,
                 "floor_chunks": stats.floor_chunks,
                 "last_mismatch": stats.last_mismatch,  # the request, and the first layer (and kind) that differed
             }

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What shadow verification costs the requests: latency percentiles under a saturating load (every request
-submitted at once, `--concurrency` at a time) with --shadow-rate `--rate` (default 0.01, the server's) against
-shadow off, the same requests, runs interleaved (off, idle, floor, off, idle, floor, ...). "idle": samples run only when the engine is idle
-(no --shadow-min-interval), so under load they wait and the latencies should match; "floor": with
---shadow-min-interval at `--min-interval` seconds, once no sample has finished for that long the steps give
-the shadow run chunks, at most 2% of their time: how many records it verified during the load, its share of
-step time and what it costs the p99. Table last.
+submitted at once, `--concurrency` at a time) at --shadow-rate `--rate` (default 0.01, the server's) against
+shadow off, the same requests, runs interleaved (off, idle, floor, off, ...). "idle": samples run only when
+the engine is idle (no --shadow-min-interval), so under load they wait and the latencies should match;
+"floor": --shadow-min-interval at `--min-interval` seconds, so once no sample has finished for that long the
+steps give the shadow run chunks, at most 2% of their time: how many records it verified during the load, its
+share of step time and what it costs the p99. Table last.
 
     python benchmarks/shadow_overhead.py --requests 1200 --concurrency 16 --rounds 3 --min-interval 1
 """

@@ -20,7 +20,7 @@ from clef_cuda.model.config import load_release_config
 from clef_cuda.model.default_model import default_release
 from clef_cuda.model.footprint import planned_weights
 from clef_cuda.serving.engine import Engine, EngineConfig
-from clef_cuda.serving.plan import GiB, parse_memory_size, plan_cache, plan_serving
+from clef_cuda.serving.plan import GiB, parse_memory_size, plan_cache, plan_serving, shadow_run_bytes
 
 RELEASES = {"upstream-tiny": tiny_release, "mid": mid_release, "clef-tiny": default_release}
 
@@ -41,7 +41,8 @@ def test_the_planned_weights_match_a_real_load_within_5_percent(release, dtype, 
 def test_the_plan_counts_the_bytes_the_engine_allocates(quantize):
     """Not the plan against its own formula: the tensors the engine and the trunk really hold. The KV pools and
     state slots the engine allocated are the blocks and slots the plan's figures multiply out to, to the byte;
-    the int8 scratch is the one the plan counts; the vision cache budget is what the plan reserves."""
+    the int8 scratch is the one the plan counts; the vision cache budget and the shadow run's own state slot (one
+    more than the pools, allocated beside them) are what the plan reserves."""
     from clef_cuda.model.footprint import tensor_bytes
 
     path = RELEASES["upstream-tiny"]()
@@ -50,15 +51,23 @@ def test_the_plan_counts_the_bytes_the_engine_allocates(quantize):
     engine = Engine(decider, config)
     cache = engine.plan
     allocated = tensor_bytes(engine.cache)
+    shadow_slots = 1  # the shadow run's (its KV blocks are lent from the pool)
     assert (
         allocated
-        == cache.num_blocks * cache.block_bytes + (cache.running_slots + cache.snapshot_slots) * cache.slot_bytes
+        == cache.num_blocks * cache.block_bytes
+        + (cache.running_slots + cache.snapshot_slots + shadow_slots) * cache.slot_bytes
     )
     planned = plan_serving(
         path, decider.config, config, 8 * GiB, dtype=decider.trunk.dtype, quantize=quantize, on_gpu=False, where="x"
     )
     assert planned.scratch_bytes == (decider.trunk.scratch.nbytes() if quantize == "int8" else 0)
-    assert planned.reserved_bytes == engine.vision_cache.capacity_bytes == config.vision_cache_bytes
+    shadow = planned.reserved_bytes - engine.vision_cache.capacity_bytes
+    assert engine.vision_cache.capacity_bytes == config.vision_cache_bytes
+    assert (
+        shadow
+        == shadow_run_bytes(decider.config.trunk, decider.trunk.dtype, config.max_model_len, planned.activation_bytes)
+        and shadow >= shadow_slots * cache.slot_bytes
+    )
     # The same split on the same free figure: the engine's allocation is what plan_cache promised.
     free = int(cache.budget_bytes / config.kv_fraction) + 1
     assert plan_cache(decider.config.trunk, decider.trunk.dtype, config, free) == cache

@@ -191,10 +191,15 @@ def test_a_sequential_client_gets_every_record_verified():
     assert stats.resumed > 0  # long samples were paused by the next request and resumed
 
 
-def test_the_floor_verifies_under_a_saturating_load_within_its_share_of_step_time():
+def test_the_floor_verifies_under_a_saturating_load_within_its_share_of_step_time(monkeypatch):
     """No idle turn at all (40 records submitted at once, then more as each answers): with a short
     --shadow-min-interval the steps give the shadow run chunks, records are verified during the load, and the
-    shadow's time stays within SHADOW_FLOOR_SHARE of the steps' (plus the one chunk that crossed it)."""
+    shadow's time stays within SHADOW_FLOOR_SHARE of the steps' (plus the one chunk that crossed it). The floor's
+    chunks are the idle lane's 256 tokens here (a ~500-token sample in two), so that a few seconds of load see
+    records through; the server's 32-token ones take ~16 floor chunks a sample."""
+    from clef_cuda.serving import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SHADOW_FLOOR_CHUNK_TOKENS", shadow_module.SHADOW_CHUNK_TOKENS)
     engine = engine_with(decider(), min_interval=0.05)
     chunk_times, real_spent = [], engine.shadow.floor_spent
 
@@ -206,15 +211,22 @@ def test_the_floor_verifies_under_a_saturating_load_within_its_share_of_step_tim
     engine.shadow._last_finished -= 1.0  # as if the interval had passed at start-up
     engine.start()
     try:
-        short = {"state_words": (3, 10), "null_score_levels": False}  # a sample is ~6 reference chunks
-        pending = [engine.submit(random_request(random.Random(500 + i), **short)) for i in range(40)]
+
+        def short(i: int) -> dict:  # ~500 tokens with the release's template
+            return {
+                "model": "clef-flash",
+                "state": f"order {i} shipped on day {i % 7}",
+                "questions": {"late": {"type": "noul", "instructions": "Is it late?"}},
+            }
+
+        pending = [engine.submit(short(i)) for i in range(40)]
         verified_under_load = 0
         for i in range(40, 600):
             if engine.shadow.stats.match:
                 verified_under_load = engine.shadow.stats.match
                 break
             pending.pop(0).future.result(300)
-            pending.append(engine.submit(random_request(random.Random(500 + i), **short)))
+            pending.append(engine.submit(short(i)))
         for ticket in pending:
             ticket.future.result(300)
     finally:
@@ -227,7 +239,9 @@ def test_the_floor_verifies_under_a_saturating_load_within_its_share_of_step_tim
     )
 
 
-def test_a_sample_costs_one_records_memory_and_never_the_engines_pools(monkeypatch):
+def test_a_sample_borrows_free_blocks_and_its_own_slot_and_gives_them_back(monkeypatch):
+    """A shadow run allocates nothing: the engine lends it its shadow state slot and free KV blocks, and has
+    every one back once the verdict is in."""
     allocations = []
     real = TrunkCache.allocate
 
@@ -236,17 +250,67 @@ def test_a_sample_costs_one_records_memory_and_never_the_engines_pools(monkeypat
         return real(config, slots, blocks, *args, **kwargs)
 
     engine = engine_with(decider())  # its own pools first, then only the shadow's allocations are recorded
+    assert engine.cache.num_slots == engine.plan.running_slots + engine.plan.snapshot_slots + 1
     monkeypatch.setattr(TrunkCache, "allocate", staticmethod(recorded))
+    lent = []
+    real_lend = engine.lend_to_shadow
+
+    def lend(blocks_needed):
+        got = real_lend(blocks_needed)
+        lent.append(None if got is None else (got[1], len(got[2])))
+        return got
+
+    engine.lend_to_shadow = lend
     engine.start()
     try:
         record = engine.decider.encode(LONG)
         engine.decide(LONG, timeout=300)
         wait_until(lambda: verdicts(engine) >= 1, "the shadow verdict")
+        assert engine.shadow.stats.match == 1
         assert engine.blocks.used == engine.prefix_cache.blocks_held
         assert engine.running_slots.available == engine.plan.running_slots
     finally:
         engine.stop(30)
-    assert allocations == [(1, -(-record.num_tokens // 16))]
+    assert allocations == [] and lent == [(engine.shadow_slot, -(-record.num_tokens // 16))]
+
+
+def test_real_work_takes_the_shadow_runs_blocks_back_and_the_run_starts_over(monkeypatch):
+    """A pool with room for one long record and a little more: a second long request arriving while the first
+    one's shadow run holds the blocks gets them (the run gives them back and starts over later), and both
+    records are still verified."""
+    from dataclasses import replace
+
+    from clef_cuda.serving import engine as engine_module
+
+    d = decider()
+    need = -(-d.encode(LONG).num_tokens // 16)
+    real_plan = engine_module.plan_memory
+    monkeypatch.setattr(
+        engine_module, "plan_memory", lambda *a, **k: replace(real_plan(*a, **k), num_blocks=need + 8, snapshot_slots=0)
+    )
+    engine = engine_with(d, min_interval=None)
+    started = threading.Event()
+    real_step = engine.shadow.step
+
+    def step(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        if engine.shadow._run is not None:
+            started.set()
+            time.sleep(0.05)  # a slow reference: the second request arrives mid-run
+        return result
+
+    engine.shadow.step = step
+    engine.start()
+    try:
+        engine.decide(LONG, timeout=300)
+        assert started.wait(60)
+        other = dict(LONG, state=LONG_STATE.replace("shipped", "delayed"))
+        engine.decide(other, timeout=300)
+        wait_until(lambda: verdicts(engine) >= 2, "both verdicts")
+    finally:
+        engine.stop(30)
+    stats = engine.shadow.stats
+    assert stats.restarted >= 1 and (stats.match, stats.mismatch, stats.dropped) == (2, 0, 0), stats
 
 
 def test_the_self_check_also_runs_on_a_timer():

@@ -36,12 +36,13 @@ from clef_cuda.model.adapters import Adapter, AdapterBatch, AdapterRegistry
 from clef_cuda.model.fingerprint import CountSketch, Fingerprint, LayerProbe, sketch_positions
 from clef_cuda.model.head import HeadInputs, RecordLayout
 from clef_cuda.model.trunk import ChunkBatch
+from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.request.images import PreparedImage
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
 from clef_cuda.serving.guarded_ops import KernelFault, cuda_error_kind, first_line
-from clef_cuda.serving.plan import CachePlan, plan_cache, shadow_run_bytes
+from clef_cuda.serving.plan import CachePlan, plan_cache, shadow_run_bytes, step_activation_bytes
 from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
 from clef_cuda.serving.shadow import SHADOW_FLOOR_CHUNK_TOKENS, ShadowConfig, ShadowSample, ShadowVerifier
 
@@ -185,13 +186,19 @@ class Engine:
             if decider.trunk.quantized
             else "",
         )
-        if config.shadow.enabled:  # a shadow run's memory is its own, beside the pools
-            reserved += shadow_run_bytes(decider.trunk.config, decider.trunk.dtype, config.max_model_len)
+        if config.shadow.enabled:  # a shadow run's own slot and scores (its KV blocks are lent from the pool)
+            trunk, dtype = decider.trunk.config, decider.trunk.dtype
+            step = step_activation_bytes(trunk, dtype, config.max_num_seqs * config.prefill_chunk_size)
+            reserved += shadow_run_bytes(trunk, dtype, config.max_model_len, step)
         self.plan = plan_memory(decider, config, reserved)
+        # Slots [0, running) hold running sequences; [running, running + snapshots) prefix snapshots; one more the
+        # shadow run's (its KV blocks are lent from the pool when free: lend_to_shadow).
+        self.shadow_slot = self.plan.running_slots + self.plan.snapshot_slots if config.shadow.enabled else None
         self.cache = decider.trunk.allocate_cache(
-            self.plan.running_slots + self.plan.snapshot_slots, self.plan.num_blocks, config.block_size
+            self.plan.running_slots + self.plan.snapshot_slots + (1 if config.shadow.enabled else 0),
+            self.plan.num_blocks,
+            config.block_size,
         )
-        # Slots [0, running) hold running sequences; [running, running + snapshots) hold prefix snapshots.
         self.running_slots = FreeList(self.plan.running_slots)
         self.snapshot_slots = FreeList(self.plan.snapshot_slots, first=self.plan.running_slots)
         self.blocks = BlockPool(self.plan.num_blocks)
@@ -219,6 +226,7 @@ class Engine:
         self.vision_seconds = 0.0  # time in the vision tower
         # Verification while serving: shadow runs of answered records, and the self-check on a timer.
         self.shadow = ShadowVerifier(config.shadow, decider.trunk.dtype, self._release)
+        self.shadow.lender = self
         self.sketch = CountSketch(decider.config.trunk.hidden_size, decider.device) if config.shadow.enabled else None
         self.selfcheck_report: SelfCheckReport | None = None  # the last timed run's (None: none yet)
         self.selfcheck_failure: str | None = None
@@ -537,9 +545,26 @@ class Engine:
 
     def _evict_for(self, blocks_needed: int) -> bool:
         while self.blocks.available < blocks_needed:
-            if not self._evict_one():
+            if not self._evict_one() and not self.shadow.yield_blocks():
                 return False
         return True
+
+    # ---- what the shadow run borrows (engine thread) --------------------------------------------------
+    def lend_to_shadow(self, blocks_needed: int) -> tuple[TrunkCache, int, list[int]] | None:
+        """The engine's pools for a shadow run: its own state slot and `blocks_needed` KV blocks, free ones or
+        prefix snapshots' (evicted: a verified record is worth more than a prefix hit), never a running
+        record's; None when there are not that many. Real work takes them back (shadow.yield_blocks: the run
+        starts over later)."""
+        if self.shadow_slot is None:
+            return None
+        while self.blocks.available < blocks_needed and self._evict_one():
+            pass
+        if self.blocks.available < blocks_needed:
+            return None
+        return self.cache, self.shadow_slot, self.blocks.take(blocks_needed)
+
+    def take_back_from_shadow(self, blocks: list[int]) -> None:
+        self.blocks.release(blocks)
 
     def _evict_one(self) -> bool:
         entry = self.prefix_cache.pop_oldest()

@@ -157,15 +157,16 @@ def image_feature_bytes(trunk: TrunkConfig, dtype: torch.dtype, step_tokens: int
     return step_tokens * trunk.hidden_size * dtype_bytes(dtype)
 
 
-def shadow_run_bytes(trunk: TrunkConfig, dtype: torch.dtype, max_model_len: int, block_size: int = 16) -> int:
-    """What a shadow run (clef_cuda.serving.shadow) holds on the device while it lasts: one state slot, one
-    full-length record's KV blocks and the reference attention's fp32 scores over a chunk [heads,
-    SHADOW_CHUNK_TOKENS, context]."""
-    from clef_cuda.serving.shadow import SHADOW_CHUNK_TOKENS
+def shadow_run_bytes(trunk: TrunkConfig, dtype: torch.dtype, max_model_len: int, headroom_bytes: int) -> int:
+    """What a shadow run (clef_cuda.serving.shadow) holds on the device beside the pools: its own state slot,
+    and what the reference attention's fp32 scores over a chunk [heads, SHADOW_CHUNK_TOKENS, context] need beyond
+    `headroom_bytes`, a step's activations (a shadow chunk runs between steps, on the engine's thread, never
+    beside one; the run's chunks shrink as its context grows to keep them within SHADOW_SCORES_BYTES). Its KV
+    blocks are lent from the engine's pool while free (real work takes them back)."""
+    from clef_cuda.serving.shadow import shadow_scores_bytes
 
-    blocks = -(-max_model_len // block_size)
-    scores = trunk.num_attention_heads * SHADOW_CHUNK_TOKENS * max_model_len * 4 if trunk.attention_layers else 0
-    return TrunkCache.slot_bytes(trunk, dtype) + blocks * TrunkCache.block_bytes(trunk, dtype, block_size) + scores
+    scores = shadow_scores_bytes(trunk, max_model_len) if trunk.attention_layers else 0
+    return TrunkCache.slot_bytes(trunk, dtype) + max(0, scores - headroom_bytes)
 
 
 def _size(n: int) -> str:
@@ -305,7 +306,7 @@ def plan_serving(
     overhead = (CUDA_WORKSPACE_BYTES + (CUDA_CONTEXT_BYTES if context_counted else 0)) if on_gpu else HOST_RUNTIME_BYTES
     reserved = reserved_bytes + (engine_config.vision_cache_bytes if has_vision else 0)
     if engine_config.shadow.enabled:  # a shadow run's own slot, KV blocks and reference scores
-        reserved += shadow_run_bytes(config.trunk, dtype, engine_config.max_model_len)
+        reserved += shadow_run_bytes(config.trunk, dtype, engine_config.max_model_len, activations)
     free = device_bytes - sum(weights.values()) - scratch - overhead - reserved
     cache, problem = None, None
     if sum(weights.values()) + transient + overhead > device_bytes:

@@ -24,8 +24,9 @@ scheduler, so a request that arrives waits at most one chunk. Work arriving paus
 kept), and the next idle turn resumes it. A sample is dropped (counted) only when the queue is full or it has
 waited SHADOW_MAX_AGE_S. Under a load that leaves no idle turn, a floor: once no sample has finished for
 --shadow-min-interval, the scheduler runs one shadow chunk after a step whenever the shadow's time since the
-floor engaged is within SHADOW_FLOOR_SHARE (2%) of the steps' time. A run's memory is its own (one state slot
-and the record's KV blocks, allocated for the run; the memory plan reserves it: plan.shadow_run_bytes).
+floor engaged is within SHADOW_FLOOR_SHARE (2%) of the steps' time. A run's memory: the engine's shadow state
+slot (the memory plan reserves it: plan.shadow_run_bytes) and one record's KV blocks lent from the engine's pool
+while free (Engine.lend_to_shadow); real work that needs them takes them back and the run starts over later.
 
 Tolerances: the worst healthy difference measured on the test releases and clef-tiny
 (benchmarks/shadow_tolerance.py; README, "Shadow verification") times the margin, never below the fp32
@@ -67,6 +68,8 @@ SHADOW_MODES = ("enforce", "warn", "off")
 # Tokens of the record per reference step: bounds the reference attention's [heads, chunk, context] fp32
 # scores (16 x 256 x 16k x 4 B = 256 MiB at clef-flash's worst) and how long a new request can wait.
 SHADOW_CHUNK_TOKENS = 256
+# ... and fewer where the context is long: a chunk's scores stay within this (one token's, at least).
+SHADOW_SCORES_BYTES = 256 * 2**20
 # The floor under load runs shorter chunks: each one delays the running requests by its time, so it is kept to a
 # few percent of a step.
 SHADOW_FLOOR_CHUNK_TOKENS = 32
@@ -77,6 +80,7 @@ SHADOW_QUEUE = 32
 SHADOW_QUEUE_BYTES = 256 * 2**20
 SHADOW_MAX_AGE_S = 1800.0  # a sample that waited longer is dropped: the load never let it run
 SHADOW_FLOOR_SHARE = 0.02  # of step time, at most, that the floor under load gives the shadow run
+SHADOW_NO_ROOM_RETRY_S = 0.05  # the engine had not the KV blocks a run needs: ask again after this
 # Worst healthy max |p_served - p_reference| measured (benchmarks/shadow_tolerance.py --records 60, CPU,
 # 2026-12-02, after the fused glue and the retrained clef-tiny: 180 records per dtype over the upstream tiny
 # release, the mid test release and clef-tiny; f16's worst is clef-tiny's, bf16's the mid release's), times
@@ -217,17 +221,42 @@ class ShadowResult:
         return "; ".join(rows)
 
 
-class ShadowRun:
-    """One sample through the reference trunk, a chunk at a time (step() until it returns True)."""
+def shadow_chunk_tokens(trunk_config, context: int, tokens: int = SHADOW_CHUNK_TOKENS) -> int:
+    """Tokens of the next reference chunk ending near `context`: at most `tokens`, and few enough that the
+    reference attention's fp32 scores [heads, chunk, context] stay within SHADOW_SCORES_BYTES."""
+    per_token = trunk_config.num_attention_heads * max(1, context) * 4
+    return max(1, min(tokens, SHADOW_SCORES_BYTES // per_token))
 
-    def __init__(self, decider, sample: ShadowSample) -> None:
-        self.decider, self.sample = decider, sample
+
+def shadow_scores_bytes(trunk_config, max_model_len: int) -> int:
+    """The most a chunk's reference scores take at `max_model_len` (the memory plan reserves it)."""
+    chunk = shadow_chunk_tokens(trunk_config, max_model_len)
+    return trunk_config.num_attention_heads * chunk * max_model_len * 4
+
+
+class NoRoomYet(Exception):
+    """The engine has not the KV blocks free a shadow run needs: the sample waits."""
+
+
+class ShadowRun:
+    """One sample through the reference trunk, a chunk at a time (step() until it returns True). Its memory:
+    the engine's shadow state slot and KV blocks free in the engine's pool, lent for the run (`lender`:
+    Engine.lend_to_shadow; NoRoomYet when there are not enough free), or without a lender a pool of its own."""
+
+    def __init__(self, decider, sample: ShadowSample, lender=None) -> None:
+        self.decider, self.sample, self.lender = decider, sample, lender
         record = sample.record
         self.trunk = decider.trunk.with_ops(reference)
-        blocks = -(-record.num_tokens // DEFAULT_BLOCK_SIZE)
-        # Its own memory, one record's: a state slot and the record's KV blocks (never the engine's pools).
-        self.cache = self.trunk.allocate_cache(1, blocks, DEFAULT_BLOCK_SIZE, name="shadow")
-        self.blocks = list(range(blocks))
+        if lender is not None:
+            block_size = lender.cache.block_size
+            lent = lender.lend_to_shadow(-(-record.num_tokens // block_size))
+            if lent is None:
+                raise NoRoomYet
+            self.cache, self.slot, self.blocks = lent
+        else:
+            blocks = -(-record.num_tokens // DEFAULT_BLOCK_SIZE)
+            self.cache = self.trunk.allocate_cache(1, blocks, DEFAULT_BLOCK_SIZE, name="shadow")
+            self.slot, self.blocks = 0, list(range(blocks))
         self.layout = RecordLayout.from_record(record, decider.device)
         self.inputs = sample.head.start(self.layout, record.num_tokens)
         self.positions = record.rope_positions()
@@ -242,7 +271,8 @@ class ShadowRun:
         """The next `tokens` of the record; True when the record is done."""
         record = self.sample.record
         size = min(tokens, record.num_tokens - self.position)
-        chunk = record_chunk(record, self.position, size, 0, self.blocks, self.positions, self.features)
+        size = shadow_chunk_tokens(self.trunk.config, self.position + size, size)
+        chunk = record_chunk(record, self.position, size, self.slot, self.blocks, self.positions, self.features)
         lora = AdapterBatch([(0, size, self.sample.adapter)]) if self.sample.adapter is not None else None
         probe = None
         if self.fingerprint is not None:
@@ -251,7 +281,7 @@ class ShadowRun:
                 rows = torch.tensor([p - self.position for p in mine], dtype=torch.int64, device=self.decider.device)
                 probe = LayerProbe(rows, [(self.fingerprint, mine)], self.sketch, keep_rows=False)
         hidden = self.trunk.forward(
-            ChunkBatch.build([chunk], DEFAULT_BLOCK_SIZE, self.decider.device), self.cache, lora, probe
+            ChunkBatch.build([chunk], self.cache.block_size, self.decider.device), self.cache, lora, probe
         )
         self.sample.head.consume(self.inputs, self.layout, hidden)
         self.position += size
@@ -271,16 +301,18 @@ class ShadowRun:
                     checks.append(LayerCheck(layer, kind, error, self.replay_tolerance, "norm replay"))
                 if part == "mlp" and (error := self.mlp_replay(layer)) is not None:
                     checks.append(LayerCheck(layer, kind, error, self.replay_tolerance, "MLP replay"))
-                drift = fingerprint_drift(
-                    served.sketch(layer, part), reference_.sketch(layer, part)
-                )
-                handed = fingerprint_drift(
-                    served.sketch(layer, part + "_in"), reference_.sketch(layer, part + "_in")
-                )
+                drift = fingerprint_drift(served.sketch(layer, part), reference_.sketch(layer, part))
+                handed = fingerprint_drift(served.sketch(layer, part + "_in"), reference_.sketch(layer, part + "_in"))
                 if drift is not None:
                     tolerance = fingerprint_tolerance(dtype, kind, handed)
                     checks.append(LayerCheck(layer, kind, drift, tolerance, "drift", handed))
         return checks
+
+    def give_back(self) -> None:
+        """The lent KV blocks back to the engine's pool (once)."""
+        if self.lender is not None and self.blocks:
+            self.lender.take_back_from_shadow(self.blocks)
+            self.blocks = []
 
     @property
     def replay_tolerance(self) -> float:
@@ -313,6 +345,7 @@ class ShadowRun:
 
     @torch.inference_mode()
     def result(self) -> ShadowResult:
+        self.give_back()
         head = self.sample.head
         flat = head.probabilities(head.logits(self.inputs, self.layout), self.layout).tolist()
         probabilities, cursor = [], 0
@@ -343,6 +376,7 @@ class ShadowStats:
     last_mismatch: dict | None = None  # for /ready: request, layer, kind, error, tolerance
     first_mismatch: dict | None = None
     resumed: int = 0  # runs paused by work arriving and resumed later
+    restarted: int = 0  # runs that gave their KV blocks back to real work and started over later
     floor_chunks: int = 0  # chunks run under load by the --shadow-min-interval floor
     floor_step_seconds: float = 0.0  # step time while the floor was engaged, in all
     floor_shadow_seconds: float = 0.0  # shadow time the floor gave, in all
@@ -360,6 +394,8 @@ class ShadowVerifier:
         self._admitted = 0
         self._lock = threading.Lock()
         self._waiting: deque[ShadowSample] = deque()
+        self.lender = None  # the engine, which lends a run its shadow slot and free KV blocks
+        self._retry_at = 0.0  # no room for the next run: not before then
         self._run: ShadowRun | None = None
         self._paused = False  # the run in progress was interrupted by work (counted once it resumes)
         self._last_finished = time.monotonic()
@@ -388,7 +424,9 @@ class ShadowVerifier:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting) or self._run is not None
+        if self._run is not None:
+            return True
+        return bool(self._waiting) and time.monotonic() >= self._retry_at
 
     def pause(self) -> None:
         """Real work arrived: the run in progress keeps its state and resumes at the next idle turn."""
@@ -399,14 +437,31 @@ class ShadowVerifier:
         """The run in progress failed (not a verdict on the kernels): it is dropped (counted), the queue kept."""
         run, self._run = self._run, None
         if run is not None:
+            run.give_back()
             self.stats.dropped += 1
             self.release(run.sample.adapter)
+
+    def yield_blocks(self) -> bool:
+        """Real work needs KV blocks the run in progress holds: it gives them back and its sample goes back to
+        the head of the queue, to start over when blocks are free again (counted in stats.restarted). False
+        when no run holds any."""
+        run = self._run
+        if run is None or run.lender is None or not run.blocks:
+            return False
+        run.give_back()
+        self._run, self._paused = None, False
+        with self._lock:
+            self._waiting.appendleft(run.sample)
+        self.stats.restarted += 1
+        return True
 
     def drop_in_progress(self) -> None:
         """The engine stops: every waiting sample and the run in progress are dropped (counted)."""
         with self._lock:
             dropped = list(self._waiting) + ([self._run.sample] if self._run is not None else [])
             self._waiting.clear()
+            if self._run is not None:
+                self._run.give_back()
             self._run = None
             self.stats.dropped += len(dropped)
         for sample in dropped:
@@ -429,7 +484,13 @@ class ShadowVerifier:
         with self._lock:
             sample = self._waiting.popleft() if self._run is None and self._waiting else None
         if sample is not None:
-            self._run = ShadowRun(decider, sample)
+            try:
+                self._run = ShadowRun(decider, sample, self.lender)
+            except NoRoomYet:  # running records hold the blocks: wait at the head of the queue, a moment at least
+                with self._lock:
+                    self._waiting.appendleft(sample)
+                self._retry_at = time.monotonic() + SHADOW_NO_ROOM_RETRY_S
+                return None
         run = self._run
         if run is None:
             return None
