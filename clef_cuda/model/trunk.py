@@ -376,7 +376,8 @@ class Trunk:
         for every op (the autotune's choices are this trunk's, not the twin's)."""
         twin = copy.copy(self)
         twin.ops, twin.attention_choice = ops, None
-        twin.ops_name = "fast" if ops is self.ops and self.ops_name == "fast" else "reference"
+        # The other ranks run the reference ops for a reference twin, else their own fast ops.
+        twin.ops_name = "reference" if getattr(ops, "__name__", "") == "clef_cuda.reference" else self.ops_name
         twin.int8_by_rows = [(sys.maxsize, "dequantize+gemm")]
         return twin
 

@@ -114,7 +114,6 @@ class TensorParallel:
     # ---- start-up ------------------------------------------------------------------------------------
     def start(self, release: str | Path, device: torch.device, dtype: torch.dtype, quantize: str) -> None:
         """Start the workers (each loads its shard, runs its self-check) and join the group as rank 0."""
-
         port = _free_port()
         for rank in range(1, self.size):
             ours, theirs = socket.socketpair()
