@@ -59,6 +59,11 @@ class Metrics:
         self.prefix_blocks = Gauge(
             "clef_prefix_cache_blocks", "KV blocks held by prefix-cache entries (one snapshot slot each)", registry=r
         )
+        self.shadow_blocks = Gauge(
+            "clef_shadow_kv_blocks",
+            "KV blocks lent to the shadow run in progress (real work takes them back)",
+            registry=r,
+        )
         self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed up and taking requests", registry=r)
         self.weight_bytes = Gauge(
             "clef_weight_bytes",
@@ -235,6 +240,7 @@ class Metrics:
             self.weight_bytes.labels(part=part).set(nbytes)
         self.weight_bytes.labels(part="adapters").set(engine.adapters.bytes() if engine.adapters is not None else 0)
         self.kv_blocks_used.set(engine.blocks.used)
+        self.shadow_blocks.set(engine.shadow.lent_blocks)
         self.kv_blocks_total.set(engine.blocks.capacity)
         self.state_slots_used.set(engine.state_slots_in_use())
         self.state_slots_total.set(engine.plan.running_slots + engine.plan.snapshot_slots)

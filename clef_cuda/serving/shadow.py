@@ -423,6 +423,12 @@ class ShadowVerifier:
         self.release(sample.adapter)
 
     @property
+    def lent_blocks(self) -> int:
+        """KV blocks of the engine's pool the run in progress holds."""
+        run = self._run
+        return len(run.blocks) if run is not None and run.lender is not None else 0
+
+    @property
     def has_work(self) -> bool:
         if self._run is not None:
             return True
