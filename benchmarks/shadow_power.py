@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "tests"))
 sys.path.append(str(ROOT))
+sys.path.append(str(ROOT / "benchmarks"))  # shadow_tolerance's helper (this file is also loaded by path in tests)
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 SIZES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
@@ -75,6 +75,8 @@ def middle(config, kind: str) -> int:
 
 def run(release: Path, dtype: torch.dtype, records: list[dict], fault=None, quantize: str = "none") -> Outcome:
     """Every record served (with `fault` in the fast ops) and shadowed; the mismatches and what the first named."""
+    from shadow_tolerance import decide_each_and_wait
+
     from clef_cuda import Decider
     from clef_cuda.serving.engine import Engine, EngineConfig
     from clef_cuda.serving.shadow import ShadowConfig
@@ -86,12 +88,7 @@ def run(release: Path, dtype: torch.dtype, records: list[dict], fault=None, quan
     engine = Engine(decider, config)
     engine.start()
     try:
-        stats = engine.shadow.stats
-        for done, request in enumerate(records, 1):
-            engine.decide(request, timeout=600)
-            deadline = time.monotonic() + 600
-            while stats.match + stats.mismatch + stats.dropped < done and time.monotonic() < deadline:
-                time.sleep(0.002)
+        stats = decide_each_and_wait(engine, records, timeout=600)
         first = stats.first_mismatch
         where = f"layer {first['layer']} ({first['kind']})" if first else "-"
         named = False

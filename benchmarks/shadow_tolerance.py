@@ -40,6 +40,18 @@ def requests_for(release: str, count: int) -> list[dict]:
     return [random_request(rng, null_score_levels=False, state_words=(5, 400)) for _ in range(count)]
 
 
+def decide_each_and_wait(engine, requests: list[dict], timeout: float = 300):
+    """Each request through a started engine, one at a time, each sample's verdict awaited before the next (its
+    sample is offered just after the answer); the shadow's stats."""
+    stats = engine.shadow.stats
+    for done, request in enumerate(requests, 1):
+        engine.decide(request, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while stats.match + stats.mismatch + stats.dropped < done and time.monotonic() < deadline:
+            time.sleep(0.002)
+    return stats
+
+
 def measure(release_path: Path, requests: list[dict], device: str, dtype: torch.dtype) -> tuple[list[float], dict]:
     """max |p_served - p_reference| of each record (every record shadowed, one at a time), and per kind of layer
     output the worst layer fingerprint error of each record."""
@@ -52,12 +64,7 @@ def measure(release_path: Path, requests: list[dict], device: str, dtype: torch.
     engine = Engine(decider, config)
     engine.start()
     try:
-        stats = engine.shadow.stats
-        for done, request in enumerate(requests, 1):
-            engine.decide(request, timeout=300)
-            deadline = time.monotonic() + 300  # its sample is offered just after the answer: wait for its verdict
-            while stats.match + stats.mismatch + stats.dropped < done and time.monotonic() < deadline:
-                time.sleep(0.002)
+        stats = decide_each_and_wait(engine, requests)
         assert stats.dropped == 0, stats
         return list(stats.errors), {kind: list(errors) for kind, errors in stats.layer_errors.items()}
     finally:
