@@ -312,7 +312,7 @@ def resolve_device(text: str | None):
     return device
 
 
-def make_decider(args):
+def make_decider(args, on_lost=None):
     """Load the release onto the serving device in the serving dtype."""
     import torch
 
@@ -325,7 +325,7 @@ def make_decider(args):
     if args.tensor_parallel_size > 1:
         from clef_cuda.serving.tensor_parallel import TensorParallel
 
-        group = TensorParallel(args.tensor_parallel_size, timeout=args.tensor_parallel_timeout or 60.0)
+        group = TensorParallel(args.tensor_parallel_size, on_lost=on_lost, timeout=args.tensor_parallel_timeout or 60.0)
     return Decider.from_release(
         args.weights,
         device=device,
@@ -345,7 +345,7 @@ def make_decider(args):
 
 def check_tensor_parallel(args, release, log) -> None:
     """--tensor-parallel-size: before the load, one line for what cannot shard (the heads, the cards, the
-    variants); the autotune turned off (every rank runs the default kernels)."""
+    variants)."""
     import torch
 
     from clef_cuda.model.shard import check_shardable
@@ -364,9 +364,6 @@ def check_tensor_parallel(args, release, log) -> None:
         raise ValueError(
             f"--tensor-parallel-size {size} from {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
         )
-    if args.autotune != "off":
-        log.info("--tensor-parallel-size %d: no start-up autotune, every rank runs the default kernels", size)
-        args.autotune = "off"
 
 
 def parse_adapters(values: list[str]) -> list[tuple[str, str]]:
@@ -441,13 +438,19 @@ def engine_config(args):
     )
 
 
-def make_engine(args):
-    """Load the release and build the engine (runs on the loader thread; errors surface on /ready)."""
+def make_engine(args, on_lost=None):
+    """Load the release and build the engine (runs on the loader thread; errors surface on /ready). on_lost: what
+    a tensor-parallel group calls when a rank is lost, from the moment its workers start."""
     from clef_cuda.serving.engine import Engine
 
-    decider = make_decider(args)
-    adapters = make_adapters(args, decider)
-    return Engine(decider, engine_config(args), adapters)
+    decider = make_decider(args, on_lost)
+    try:
+        adapters = make_adapters(args, decider)
+        return Engine(decider, engine_config(args), adapters)
+    except BaseException:
+        if decider.trunk.peers is not None:  # no worker outlives a failed start
+            decider.trunk.peers.stop()
+        raise
 
 
 def resolve_dtype(args, log) -> None:
@@ -670,7 +673,9 @@ def main(argv: list[str] | None = None) -> int:
         autotune_cache=args.autotune_cache or None,
         kernel_trials=args.kernel_trials,
     )
-    app = create_app(settings, load_engine=lambda: make_engine(args))
+    app = create_app(
+        settings, load_engine=lambda: make_engine(args, lambda *lost: app.state.tensor_parallel_lost(*lost))
+    )
     log.info("listening on %s:%d (model loading in the background; /ready says when it is done)", args.host, args.port)
     # Request bodies and the API key are never logged (no access log; errors name no body or header).
     DrainingServer.run_app(app, args.host, args.port, args.log_level, args.drain_timeout)

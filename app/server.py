@@ -42,10 +42,12 @@ from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLon
 from clef_cuda.model.adapters import AdapterError, check_variant_name
 from clef_cuda.request.images import ImageError
 from clef_cuda.request.routing import prefix_key
-from clef_cuda.serving.autotune import AutotuneReport, autotune, cache_file, record_kernel_failure
+from clef_cuda.serving.autotune import AutotuneReport, autotune, cache_file, install, record_kernel_failure
+from clef_cuda.serving.cuda_errors import OUT_OF_MEMORY, TRANSIENT, classify, first_line
 from clef_cuda.serving.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
 from clef_cuda.serving.guarded_ops import KernelFault
 from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
+from clef_cuda.serving.tensor_parallel import StepFailedOnRank, TensorParallelLost
 
 # A sticky CUDA error killed this process's GPU context (clef_cuda.serving.guarded_ops): the kernel is recorded
 # as failed in the autotune cache and the process exits with this, for its supervisor to start it again.
@@ -191,10 +193,15 @@ def create_app(
         verified implementation per op and call shape chosen, on this device; the trunk then runs on the
         guarded op library. Never fatal: a failure leaves the dispatch rule's kernels."""
         trunk = loaded.decider.trunk
+        loaded.on_kernel_fault = functools.partial(kernel_fault, None)  # wired whatever the autotune does
         try:
             report = autotune(trunk, loaded.config, settings.autotune, settings.autotune_cache, settings.kernel_trials)
         except Exception:
-            log.exception("the autotune failed: serving on the default kernels")
+            log.exception("the autotune failed: serving on the default kernels, each one guarded")
+            try:  # a fault is still named by kernel, a launch error still routed to the reference
+                install(trunk, AutotuneReport(settings.autotune, {}), [], None, loaded.config)
+            except Exception:
+                log.exception("installing the guarded op library failed")
             return
         loaded.on_kernel_fault = functools.partial(kernel_fault, report)
         if report is not None:
@@ -218,10 +225,14 @@ def create_app(
         timer.daemon = True
         timer.start()
 
-    def tensor_parallel_lost(reason: str) -> None:
-        """A rank is gone (exited, hung past --tensor-parallel-timeout, a collective failed): no step can run
-        again. /ready turns 503, and the process exits EXIT_TENSOR_PARALLEL_LOST a moment later (the
-        restart starts every rank afresh)."""
+    def tensor_parallel_lost(reason: str, fault: KernelFault | None = None) -> None:
+        """A rank is gone (exited, hung past --tensor-parallel-timeout, a collective failed, or it never started):
+        no step can run again. /ready turns 503, and the process exits EXIT_TENSOR_PARALLEL_LOST a moment later
+        (the restart starts every rank afresh); a worker's sticky CUDA fault is a kernel fault instead: recorded,
+        exit EXIT_KERNEL_FAULT."""
+        if fault is not None:
+            kernel_fault(state.autotune, fault)
+            return
         state.status, state.error = "failed", reason
         metrics.ready.set(0)
         log.critical("clef-serve: %s; exiting (%d)", reason, EXIT_TENSOR_PARALLEL_LOST)
@@ -290,6 +301,7 @@ def create_app(
         )
     app.state.server = state
     app.state.metrics = metrics
+    app.state.tensor_parallel_lost = tensor_parallel_lost  # the CLI hands it to the group before the load starts
     app.state.settings = settings
 
     def drain() -> None:
@@ -348,6 +360,13 @@ def create_app(
         state.in_flight += 1
         try:
             response = await _systemone(request)
+        except Exception as error:  # a fault of ours nothing above caught: still the contract's body, counted
+            log.exception("POST /v1/systemone failed")
+            response = error_response(
+                500,
+                "internal_error",
+                _hide_directory(f"the server failed: {first_line(error)}", settings.release_dir, "the release"),
+            )
         finally:
             state.in_flight -= 1
         seconds = time.perf_counter() - started
@@ -461,10 +480,23 @@ def create_app(
         except NumericalOverflowError as error:
             log.error("numerical overflow: %s", error)
             raise ClientError(500, "internal_error", str(error)) from error
-        except KernelFault as error:  # the server is about to restart without that kernel
+        except (KernelFault, TensorParallelLost, EngineStoppedError) as error:  # the server is about to restart
             raise ClientError(503, "service_unavailable", str(error), {"Retry-After": RETRY_AFTER_SECONDS}) from error
         except RequestCancelledError as error:
             raise ClientError(499, "client_closed_request", "the request was cancelled") from error
+        except Exception as error:  # a step that failed: this request fails, the server serves on
+            log.error("request %s failed: %s", request.state.request_id, first_line(error))
+            if isinstance(error, StepFailedOnRank) or classify(error) in (OUT_OF_MEMORY, TRANSIENT):
+                raise ClientError(
+                    503,
+                    "service_unavailable",
+                    _hide_directory(
+                        f"this request's step failed: {first_line(error)}", settings.release_dir, "the release"
+                    ),
+                    {"Retry-After": RETRY_AFTER_SECONDS},
+                ) from error
+            message = _hide_directory(f"this request failed: {first_line(error)}", settings.release_dir, "the release")
+            raise ClientError(500, "internal_error", message) from error
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

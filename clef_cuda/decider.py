@@ -132,25 +132,31 @@ class Decider:
 
             check_shardable(config.trunk, tensor_parallel.size)
             shard = Shard(0, tensor_parallel.size)
-        weights = load_release_weights(
-            path,
-            config,
-            device,
-            dtype,
-            head_dtype,
-            progress=progress,
-            quantize=quantize,
-            vocab_tables=vocab_tables,
-            shard=shard,
-        )
-        if shard is None:
-            trunk = Trunk(config.trunk, weights.trunk, dtype, ops=ops)
-        else:
-            from clef_cuda.model.shard import local_config
+            tensor_parallel.launch(path, device, dtype, quantize)  # the other ranks load theirs meanwhile
+        try:
+            weights = load_release_weights(
+                path,
+                config,
+                device,
+                dtype,
+                head_dtype,
+                progress=progress,
+                quantize=quantize,
+                vocab_tables=vocab_tables,
+                shard=shard,
+            )
+            if shard is None:
+                trunk = Trunk(config.trunk, weights.trunk, dtype, ops=ops)
+            else:
+                from clef_cuda.model.shard import local_config
 
-            trunk = Trunk(local_config(config.trunk, shard.size), weights.trunk, dtype, ops=ops)
-            tensor_parallel.start(path, device, dtype, quantize)  # the other ranks load theirs
-            tensor_parallel.attach(trunk)
+                trunk = Trunk(local_config(config.trunk, shard.size), weights.trunk, dtype, ops=ops)
+                tensor_parallel.join(device)  # every rank loaded and self-checked, then the group forms
+                tensor_parallel.attach(trunk)
+        except BaseException:
+            if shard is not None:
+                tensor_parallel.stop()  # no worker outlives a failed load
+            raise
         head = JointSchemaHead(config.head, weights.head, weights.trunk["lm_head.weight"])
         vision = VisionTower(config.vision, weights.vision, dtype) if weights.vision is not None else None
         processor = load_processor_config(path) if vision is not None else None

@@ -45,10 +45,11 @@ class Collectives(Protocol):
 
 
 class Peers(Protocol):
-    """Rank 0's handle on the other ranks: run(trunk, call, *args) tells them to make the same call on their
-    shard (the same collectives, in the same order), before rank 0 makes it."""
+    """Rank 0's handle on the other ranks: call(trunk, name, args, local) tells them to make the same call on their
+    shard (the same collectives, in the same order), runs local() (rank 0's part) and returns its result once every
+    rank has finished the call; a part that raised on any rank fails the call on rank 0 (lock-step)."""
 
-    def run(self, trunk: Trunk, call: str, *args) -> None: ...
+    def call(self, trunk: Trunk, name: str, args: tuple, local: Callable): ...
 
 
 @dataclass
@@ -302,7 +303,14 @@ class Trunk:
         `probe`: rows whose layer outputs are sketched and whose MLP rows are kept (clef_cuda.model.fingerprint:
         shadow verification)."""
         if self.peers is not None:
-            self.peers.run(self, "forward", batch, cache, lora is not None, probe is not None)
+            return self.peers.call(
+                self, "forward", (batch, cache, lora, probe), lambda: self._forward(batch, cache, lora, probe)
+            )
+        return self._forward(batch, cache, lora, probe)
+
+    def _forward(
+        self, batch: ChunkBatch, cache: TrunkCache, lora: AdapterBatch | None, probe: LayerProbe | None
+    ) -> Tensor:
         eps = self.config.rms_norm_eps
         if self.embed is not None:
             on_host = isinstance(self.embed, HostTable) and batch.host_input_ids is not None
@@ -357,19 +365,27 @@ class Trunk:
     def allocate_cache(self, num_slots: int, num_blocks: int, block_size: int, name: str = "engine") -> TrunkCache:
         """Zeroed state slots and KV blocks for this trunk (its shard's heads, on every rank: `name` is how the
         other ranks know the pool a later call means)."""
+
+        def allocate() -> TrunkCache:
+            cache = TrunkCache.allocate(self.config, num_slots, num_blocks, block_size, self.device, self.dtype)
+            cache.name = name
+            return cache
+
         if self.peers is not None:
-            self.peers.run(self, "allocate_cache", num_slots, num_blocks, block_size, name)
-        cache = TrunkCache.allocate(self.config, num_slots, num_blocks, block_size, self.device, self.dtype)
-        cache.name = name
-        return cache
+            return self.peers.call(self, "allocate_cache", (num_slots, num_blocks, block_size, name), allocate)
+        return allocate()
 
     def copy_slot(self, cache: TrunkCache, destination: int, source: int) -> None:
         """State slot `source`'s delta-net state into slot `destination` (a prefix snapshot taken or restored),
         on every rank."""
+
+        def copy() -> None:
+            cache.conv_states[:, destination].copy_(cache.conv_states[:, source])
+            cache.gdr_states[:, destination].copy_(cache.gdr_states[:, source])
+
         if self.peers is not None:
-            self.peers.run(self, "copy_slot", cache, destination, source)
-        cache.conv_states[:, destination].copy_(cache.conv_states[:, source])
-        cache.gdr_states[:, destination].copy_(cache.gdr_states[:, source])
+            return self.peers.call(self, "copy_slot", (cache, destination, source), copy)
+        return copy()
 
     def with_ops(self, ops) -> Trunk:
         """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.reference,
@@ -411,7 +427,10 @@ class Trunk:
         """Layer `index`'s MLP on its normed input h [N, hidden] (position-wise: shadow verification replays it,
         replay=True, from the served pass's rows). Summed over the tensor-parallel ranks."""
         if replay and self.peers is not None:
-            self.peers.run(self, "mlp", index, h)
+            return self.peers.call(self, "mlp", (index, h), lambda: self._mlp(index, h, lora))
+        return self._mlp(index, h, lora)
+
+    def _mlp(self, index: int, h: Tensor, lora: AdapterBatch | None) -> Tensor:
         layer = self.layers[index]
         act = self.ops.silu_mul(self._linear(h, layer.gate_up, lora, index, "gate_up"))
         out = self._linear(act, layer.down, lora, index, "down")

@@ -593,18 +593,25 @@ def read_cached(path: Path, key: dict) -> AutotuneReport | None:
 
 
 def install(
-    trunk: Trunk, report: AutotuneReport, buckets: list[Bucket], cache_path: Path | None = None, config=None
+    trunk: Trunk,
+    report: AutotuneReport,
+    buckets: list[Bucket],
+    cache_path: Path | None = None,
+    config=None,
+    on_failure: Callable[[str, str], None] | None = None,
 ) -> None:
     """The guarded op library (every failed kernel kept from running; a launch failure while serving added to
-    the report and its cache file) and the attention choices that do not run a failed kernel."""
+    the report and its cache file, or handed to `on_failure`) and the attention choices that do not run a failed
+    kernel. Under tensor parallel the same decisions go to every worker rank, and a kernel a worker marks failed
+    is recorded here too."""
     base = trunk.ops.base if isinstance(trunk.ops, GuardedOps) else trunk.ops
 
-    def on_failure(kernel: str, why: str) -> None:
+    def record(kernel: str, why: str) -> None:
         report.failures[kernel] = why
         if cache_path is not None and report.key:
             record_kernel_failure(cache_path, report.key, kernel, why)
 
-    trunk.ops = GuardedOps(base, report.failures, on_failure)
+    trunk.ops = GuardedOps(base, report.failures, on_failure or record)
     attention = {
         bucket: candidate
         for bucket, candidate in report.choices.get("paged_attention", {}).items()
@@ -617,6 +624,9 @@ def install(
         trunk.int8_by_rows = int8_policy(int8, config) if int8 else [(sys.maxsize, "dequantize+gemm")]
     elif int8:
         trunk.int8_by_rows = int8_policy(int8, config)
+    if trunk.peers is not None and config is not None:
+        trunk.peers.on_kernel_failed = trunk.ops.mark_failed
+        trunk.peers.install(trunk, report, buckets, config)
 
 
 def attributed_candidates(trunk: Trunk) -> dict[str, AttentionImpl]:

@@ -41,7 +41,7 @@ from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.request.images import PreparedImage
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
-from clef_cuda.serving.guarded_ops import KernelFault, cuda_error_kind, first_line
+from clef_cuda.serving.guarded_ops import KernelFault, as_kernel_fault
 from clef_cuda.serving.plan import CachePlan, plan_cache, shadow_run_bytes, step_activation_bytes
 from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
 from clef_cuda.serving.shadow import SHADOW_FLOOR_CHUNK_TOKENS, ShadowConfig, ShadowSample, ShadowVerifier
@@ -438,11 +438,7 @@ class Engine:
     def _kernel_fault(self, error: BaseException) -> KernelFault | None:
         """The KernelFault `error` is (a sticky CUDA error that surfaced outside our ops is pinned on the last of
         our kernels launched), handed to on_kernel_fault once; None for any other error."""
-        fault = error if isinstance(error, KernelFault) else None
-        if fault is None and cuda_error_kind(error) == "sticky":
-            ops = self.decider.trunk.ops
-            suspect = getattr(ops, "last_launch", None) or "unknown:unknown"
-            fault = KernelFault(suspect, first_line(error), surfaced_in="torch")
+        fault = as_kernel_fault(error, self.decider.trunk.ops)
         if fault is None:
             return None
         with self._lock:

@@ -7,14 +7,16 @@ the autotune's cache). Its op then runs the reference twin (clef_cuda.reference:
 signature): slower, right. paged_attention's "auto" dispatch is steered to the SIMT kernel when the tensor-core
 one failed (and to the reference when both did); a forced failed kernel is a ValueError.
 
-CUDA errors come in two kinds. A launch error (cudaErrorNoKernelImageForDevice, too many resources) leaves
-the context usable: the kernel is marked failed (and the on_failure callback persists it), and the call runs
-again on the reference. A sticky one (an illegal or misaligned address, a device-side trap) destroys the
-CUDA context: no further GPU work can run in this process, so it is raised as KernelFault naming the op and
-kernel, which the server turns into a recorded failure and a non-zero exit (the next start skips the kernel).
-Errors are asynchronous: a fault surfaces at the next launch or synchronisation, which may be in torch's
-own code; `last_launch` names the last of our kernels launched before it, the prime suspect. With
-CUDA_LAUNCH_BLOCKING=1 the op that raised is the one that faulted.
+What a CUDA error means is clef_cuda.serving.cuda_errors' to say, from the error itself. A launch error (no
+kernel image for this card, too many resources) leaves the context usable: the kernel is marked failed (and the
+on_failure callback persists it), and the call runs again on the reference. A sticky one (an illegal or
+misaligned address, a device-side trap) destroys the CUDA context: no further GPU work can run in this process,
+so it is raised as KernelFault naming the op and kernel, which the server turns into a recorded failure and a
+non-zero exit (the next start skips the kernel). An out-of-memory or a busy device is no kernel's fault: it is
+raised as it is (the step fails, the server serves on) and nothing is recorded. Errors are asynchronous: a fault
+surfaces at the next launch or synchronisation, which may be in torch's own code; `last_launch` names the last
+of our kernels launched before it, the prime suspect. With CUDA_LAUNCH_BLOCKING=1 the op that raised is the one
+that faulted.
 """
 
 from __future__ import annotations
@@ -26,52 +28,12 @@ import torch
 
 from clef_cuda import reference
 from clef_cuda.ops import KERNEL_OPS
+from clef_cuda.serving.cuda_errors import LAUNCH, STICKY, classify, first_line
 
 log = logging.getLogger("clef_cuda.serving.guarded_ops")
 
-# Substrings (lower case) of the CUDA errors that destroy the context (cudaErrorIllegalAddress,
-# cudaErrorMisalignedAddress, cudaErrorLaunchFailure, cudaErrorIllegalInstruction, cudaErrorAssert,
-# cudaErrorHardwareStackError, cudaErrorLaunchTimeout, cudaErrorECCUncorrectable, ...).
-STICKY_CUDA_ERRORS = (
-    "illegal memory access",
-    "illegal address",
-    "misaligned address",
-    "unspecified launch failure",
-    "illegal instruction",
-    "device-side assert",
-    "hardware stack error",
-    "launch timed out",
-    "uncorrectable ecc",
-    "invalid program counter",
-    "cuda-capable device(s) is/are busy or unavailable",
-)
-# Launch errors that leave the context usable.
-LAUNCH_CUDA_ERRORS = (
-    "no kernel image is available",
-    "too many resources requested",
-    "invalid device function",
-    "cuda launch failed",
-    "named symbol not found",
-)
-
 # The ops the trunk, the self-check and the autotune call, besides paged_attention (a choice of kernels).
 GUARDED_OPS = tuple(op for op in KERNEL_OPS if op != "paged_attention")
-
-
-def cuda_error_kind(error: BaseException) -> str | None:
-    """'sticky' (the CUDA context is gone), 'launch' (the kernel could not run; the context is fine) or None
-    (not a CUDA kernel error: a bad argument, out of memory, a bug of ours)."""
-    text = str(error).lower()
-    if any(marker in text for marker in STICKY_CUDA_ERRORS):
-        return "sticky"
-    if any(marker in text for marker in LAUNCH_CUDA_ERRORS):
-        return "launch"
-    return None
-
-
-def first_line(error: BaseException, limit: int = 200) -> str:
-    text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__)[:limit]
 
 
 class KernelFault(RuntimeError):
@@ -81,6 +43,17 @@ class KernelFault(RuntimeError):
         self.kernel, self.error, self.surfaced_in = kernel, error, surfaced_in
         where = "" if surfaced_in in (None, kernel) else f", surfacing in {surfaced_in}"
         super().__init__(f"CUDA fault in {kernel.replace(':', ' (kernel ', 1)}){where}: {error}")
+
+
+def as_kernel_fault(error: BaseException, ops) -> KernelFault | None:
+    """The KernelFault `error` is: itself, or a sticky CUDA error that surfaced outside our ops (in torch's code),
+    pinned on the last of our kernels `ops` launched; None for any other error."""
+    if isinstance(error, KernelFault):
+        return error
+    if classify(error) != STICKY:
+        return None
+    suspect = getattr(ops, "last_launch", None) or "unknown:unknown"
+    return KernelFault(suspect, first_line(error), surfaced_in="torch")
 
 
 def kernel_name(op: str, tensor: torch.Tensor | None) -> str:
@@ -122,11 +95,11 @@ class GuardedOps:
         try:
             return (run or getattr(self.base, op))(*args, **kwargs)
         except Exception as error:
-            kind = cuda_error_kind(error)
-            if kind is None:
-                raise
-            if kind == "sticky":
+            kind = classify(error)
+            if kind == STICKY:
                 raise KernelFault(kernel, first_line(error)) from error
+            if kind != LAUNCH:  # out of memory, a busy device, not a CUDA error: no kernel's fault
+                raise
             self.mark_failed(kernel, f"could not launch: {first_line(error)}")
             return getattr(self.fallback, op)(*args, **kwargs)
 
@@ -151,11 +124,11 @@ class GuardedOps:
         try:
             return self.base.paged_attention(*args, kernel=kernel, **kwargs)
         except Exception as error:
-            kind = cuda_error_kind(error)
-            if kind is None:
+            kind = classify(error)
+            if kind not in (STICKY, LAUNCH):
                 raise
             name = self._dispatched(args) if kernel == "auto" else f"paged_attention:{kernel}"
-            if kind == "sticky":
+            if kind == STICKY:
                 raise KernelFault(name, first_line(error)) from error
             self.mark_failed(name, f"could not launch: {first_line(error)}")
             return self.paged_attention(*args, kernel=requested, **kwargs)  # steered around it now

@@ -3,20 +3,40 @@ processes (no torchrun), one per card; every rank holds its shard of the trunk (
 runs its part of every trunk call on the same batch; rank 0 (the server process) serves HTTP, schedules,
 embeds, runs the vision tower and the joint head.
 
-Two channels between rank 0 and each worker:
-  commands   a socket pair (multiprocessing.connection): rank 0 sends what to run before it runs it
-             (Trunk.peers: forward, an MLP replay, a cache allocated, a state slot copied, stop). A worker
-             waits on it without a timeout (an idle server is not a fault) and exits when it closes (rank 0
-             gone).
-  tensors    torch.distributed (NCCL on CUDA, gloo on the CPU): each step's embedded rows broadcast from rank
-             0, one all-reduce after each mixer and each MLP (Trunk.collectives), under a timeout.
-Faults: a worker that exits, or a collective that fails or outlasts the timeout (a hung rank), marks the group
-lost: on_lost(reason) is called once (the server turns /ready 503 and exits non-zero), and every later call
-raises TensorParallelLost instead of hanging.
+Start: the workers are started first (clef_cuda.serving.children: one start budget, their liveness polled, every
+one reaped on every way out, each dying with rank 0) and load their shards while rank 0 loads its own. Each
+reports "ready" (loaded, its self-check passed) on its command channel; only then do the ranks rendezvous
+(torch.distributed over a TCPStore rank 0 opened when it started them), so a worker that dies or hangs while
+loading is seen at once, never waited on in a rendezvous. Start failures are TensorParallelLost (fatal: the
+server exits non-zero).
 
-What runs on the workers: the fast ops, the reference ops (for shadow runs) and the self-check on their own
-shard at start-up (a failure is the worker's exit, with its report). The start-up autotune does not run with
---tensor-parallel-size > 1 (every rank runs the default kernels), LoRA variants are refused.
+Two channels between rank 0 and each worker:
+  commands   a socket pair (multiprocessing.connection): rank 0 sends each call before it makes it (Trunk.peers:
+             forward, an MLP replay, a cache allocated, a state slot copied, the kernel decisions, stop); the
+             worker answers each call once it is done on its device: ok, or failed (why), with any kernel its
+             guarded op library marked failed meanwhile. A worker waits for commands without a timeout (an idle
+             server is not a fault) and exits when the channel closes (rank 0 gone).
+  tensors    torch.distributed (NCCL on CUDA, gloo on the CPU): each step's embedded rows broadcast from rank 0,
+             one all-reduce after each mixer and each MLP (Trunk.collectives).
+
+Lock-step. Every call has a fixed schedule of collectives (collective_schedule). A rank whose call raises part
+way (an out-of-memory, an error of its own) still makes the rest of that call's collectives, with zeros
+(_Collectives.drain), so no rank is left waiting inside a collective and the next call pairs up; then every
+rank has finished the call, and rank 0 learns from the answers which failed. A failed call fails its step's
+records on rank 0 (StepFailedOnRank, or rank 0's own error) and the group serves on; a request-level error such
+as an f16 overflow, raised by every rank at the same point, does the same. A sticky CUDA fault on a worker is
+reported (its kernel) before the worker exits: the server records the kernel and restarts without it.
+
+Bounded waits, on NCCL as on gloo: collectives are issued asynchronously; on the CPU each is awaited by polling
+with the deadline, on a GPU each is ordered on the stream and the call's end is awaited by polling a CUDA event
+with the deadline (the NCCL watchdog's own timeout is set later, so it never fires first). A worker that exits,
+a call whose answers or device work outlast --tensor-parallel-timeout (a hung rank), or a collective that
+fails marks the group lost: on_lost(reason) is called once (the server turns /ready 503 and exits 5), and
+every later call raises TensorParallelLost instead of hanging.
+
+What runs on the workers: the fast ops on the same guarded op library and kernel decisions as rank 0 (the
+autotune's report, sent when rank 0 installs it), the reference ops (for shadow runs) and the self-check on
+their own shard at start-up (a failure is the worker's exit, with its report). LoRA variants are refused.
 """
 
 from __future__ import annotations
@@ -27,60 +47,147 @@ import logging
 import os
 import pickle
 import socket
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 from multiprocessing.connection import Connection
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from clef_cuda.errors import ClefError
+from clef_cuda.serving.children import START_TIMEOUT_S, Child, ChildFailed, die_with_parent, reap_all, wait_for
+from clef_cuda.serving.cuda_errors import first_line
 
 log = logging.getLogger("clef_cuda.serving.tensor_parallel")
 
-TP_TIMEOUT_S = 60.0  # a collective (one step's all-reduce) that takes longer: the group is lost
-START_TIMEOUT_S = 600.0  # a worker that has not loaded its shard and passed its self-check by then: failed
+TP_TIMEOUT_S = 60.0  # a call whose collectives or answers take longer: a hung rank, the group is lost
+RENDEZVOUS_TIMEOUT_S = 60.0  # every rank loaded and ready: joining the group takes seconds
+NCCL_WATCHDOG_GRACE_S = 30.0  # the NCCL watchdog's timeout is ours plus this: our own deadline fires first
 EXIT_WORKER_FAILED = 3  # a worker that could not start (its report says why)
+EXIT_WORKER_FAULT = 4  # a worker whose CUDA context a kernel destroyed (it reported the kernel first)
+# Test-only: a Python file whose worker_ops(rank, base) returns the op library a worker's fast trunk runs on (a
+# fault on one rank alone), so that what rank 0's shadow run catches can be shown without a GPU.
+TEST_WORKER_OPS_ENV = "CLEF_TEST_TP_WORKER_OPS"
 
 
 class TensorParallelLost(ClefError):
-    """A rank died, hung or failed a collective: the group cannot run another step."""
+    """A rank died, hung or failed a collective: the group cannot run another step. `kernel_fault`: the sticky
+    CUDA fault a worker reported before it exited (the server records its kernel)."""
 
     fatal = True  # the engine stops on it (nothing can run again) instead of failing one pack
 
+    def __init__(self, reason: str, kernel_fault=None) -> None:
+        super().__init__(reason)
+        self.kernel_fault = kernel_fault
+
+
+class StepFailedOnRank(ClefError):
+    """A worker's part of a call raised (its out-of-memory, an error of its own); every rank finished the call in
+    lock-step: the step's records fail, the group serves on."""
+
+
+def collective_schedule(call: str, rows: int, hidden: int, num_layers: int, dtype: torch.dtype) -> list:
+    """The collectives one call makes, in order, as (kind, shape, dtype): a forward broadcasts rank 0's embedded
+    rows (fp32) and all-reduces each mixer's and each MLP's output (serving dtype); an MLP replay all-reduces its
+    output; the other calls make none."""
+    if call == "forward":
+        return [("broadcast", (rows, hidden), torch.float32)] + [("all_reduce", (rows, hidden), dtype)] * (
+            2 * num_layers
+        )
+    if call == "mlp":
+        return [("all_reduce", (rows, hidden), dtype)]
+    return []
+
 
 class _Collectives:
-    """Trunk.collectives over a torch.distributed group; any failure marks the group lost."""
+    """Trunk.collectives over a torch.distributed group, following each call's schedule (so a rank that failed
+    part way can finish it: drain); any failure of a collective itself marks the group lost."""
 
-    def __init__(self, owner: TensorParallel | None, group) -> None:
-        self.owner, self.group = owner, group  # owner: rank 0's TensorParallel (None on a worker)
+    def __init__(self, group, device: torch.device, timeout: float, on_lost: Callable[[str], None]) -> None:
+        self.group, self.device, self.timeout, self.on_lost = group, device, timeout, on_lost
+        self.lost: str | None = None
+        self.schedule: list = []
+        self.done = 0
 
-    def _run(self, op, tensor: torch.Tensor) -> None:
-        if self.owner is not None and self.owner.lost is not None:
-            raise TensorParallelLost(self.owner.lost)
-        staged = tensor if tensor.is_contiguous() else tensor.contiguous()
-        try:
-            op(staged)
-        except Exception as error:  # gloo / NCCL: a peer gone, or the timeout
-            reason = f"a tensor-parallel collective failed: {str(error).splitlines()[0] if str(error) else error!r}"
-            if self.owner is not None:
-                self.owner.mark_lost(reason)
-            raise TensorParallelLost(reason) from error
-        if staged is not tensor:
-            tensor.copy_(staged)
+    def begin(self, schedule: list) -> None:
+        self.schedule, self.done = schedule, 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        self._run(lambda t: dist.all_reduce(t, group=self.group), tensor)
+        self._run("all_reduce", tensor, lambda t: dist.all_reduce(t, group=self.group, async_op=True))
         return tensor
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        self._run(lambda t: dist.broadcast(t, src=0, group=self.group), tensor)
+        self._run("broadcast", tensor, lambda t: dist.broadcast(t, src=0, group=self.group, async_op=True))
+
+    def drain(self) -> None:
+        """The rest of the call's collectives with zeros: this rank failed part way, the others must not wait."""
+        while self.done < len(self.schedule):
+            kind, shape, dtype = self.schedule[self.done]
+            getattr(self, kind)(torch.zeros(shape, dtype=dtype, device=self.device))
+
+    def _run(self, kind: str, tensor: torch.Tensor, op) -> None:
+        if self.lost is not None:
+            raise TensorParallelLost(self.lost)
+        # Lock-step needs every rank to make the same collectives as the call's schedule says (drain relies on it).
+        expected = self.schedule[self.done] if self.done < len(self.schedule) else None
+        if self.schedule and (kind, tuple(tensor.shape), tensor.dtype) != expected:
+            raise RuntimeError(
+                f"collective {self.done} of the call is {kind} {tuple(tensor.shape)} {tensor.dtype}; its schedule "
+                f"says {expected}"
+            )
+        staged = tensor if tensor.is_contiguous() else tensor.contiguous()
+        try:
+            work = op(staged)
+            if self.device.type == "cuda":
+                work.wait()  # ordered on the stream; the call's end is awaited with the deadline (settle)
+            else:
+                _await(work.is_completed, time.monotonic() + self.timeout, "a collective")
+        except TensorParallelLost as error:
+            self._lose(str(error))
+            raise
+        except Exception as error:  # gloo / NCCL: a peer gone, or the group's own timeout
+            reason = f"a tensor-parallel collective failed: {first_line(error)}"
+            self._lose(reason)
+            raise TensorParallelLost(reason) from error
+        self.done += 1
+        if staged is not tensor:
+            tensor.copy_(staged)
+
+    def settle(self) -> None:
+        """On a GPU: wait, with the deadline, for the device work the call queued (its collectives included)."""
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        try:
+            _await(event.query, time.monotonic() + self.timeout, "the call's device work")
+        except TensorParallelLost as error:
+            self._lose(str(error))
+            raise
+
+    def _lose(self, reason: str) -> None:
+        if self.lost is None:
+            self.lost = reason
+            self.on_lost(reason)
+
+
+def _await(done: Callable[[], bool], deadline: float, what: str) -> None:
+    """Poll done() until it is true; TensorParallelLost past `deadline` (a hung rank). Spins briefly, then backs
+    off to a millisecond between looks."""
+    pause = 0.0
+    while not done():
+        if time.monotonic() > deadline:
+            raise TensorParallelLost(f"{what} did not finish within the tensor-parallel timeout: a rank hung")
+        time.sleep(pause)
+        pause = min(1e-3, pause * 2 or 1e-5)
 
 
 def _batch_message(batch) -> dict:
@@ -99,116 +206,239 @@ def _batch_from(message: dict, device: torch.device):
     return ChunkBatch(**tensors, q_lens=message["q_lens"], context_lengths=message["context_lengths"])
 
 
-class TensorParallel:
-    """Rank 0's side: the workers, the command channels, the collectives (Trunk.peers implements run())."""
+def _message(trunk, call: str, args) -> tuple:
+    """What a worker needs to make `call`: (call, ops name, rows for the schedule, arguments)."""
+    if call == "forward":
+        batch, cache, lora, _ = args
+        if lora is not None:
+            raise TensorParallelLost("LoRA variants are not sharded across tensor-parallel ranks")
+        return (call, trunk.ops_name, batch.input_ids.shape[0], _batch_message(batch), cache.name)
+    if call == "mlp":
+        index, h = args
+        return (call, trunk.ops_name, h.shape[0], index, h.cpu())
+    if call == "copy_slot":
+        cache, destination, source = args
+        return (call, trunk.ops_name, 0, cache.name, destination, source)
+    return (call, trunk.ops_name, 0, *args)  # allocate_cache, install
 
-    def __init__(self, size: int, on_lost=None, timeout: float = TP_TIMEOUT_S) -> None:
+
+class TensorParallel:
+    """Rank 0's side: the workers, the command channels, the collectives (Trunk.peers implements call())."""
+
+    def __init__(self, size: int, on_lost: Callable | None = None, timeout: float = TP_TIMEOUT_S) -> None:
+        # on_lost(reason, kernel_fault): called once when the group is lost (kernel_fault: a worker's sticky fault)
         self.size, self.timeout, self.on_lost = size, timeout, on_lost
         self.lost: str | None = None
-        self.workers: list[subprocess.Popen] = []
+        self.lost_fault = None  # the KernelFault a worker reported before it exited
+        self.workers: list[Child] = []
         self.channels: list[Connection] = []
+        self.collectives: _Collectives | None = None
+        self.on_kernel_failed: Callable[[str, str], None] | None = None  # a worker's launch failure, to record
         self._lock = threading.Lock()
+        self._read_lock = (
+            threading.Lock()
+        )  # the engine thread reads answers; the watch thread a dead worker's last word
         self._stopping = False
-        self.group = None  # the collectives' process group
+        self._store = None
+        self._launched = 0.0
 
     # ---- start-up ------------------------------------------------------------------------------------
-    def start(self, release: str | Path, device: torch.device, dtype: torch.dtype, quantize: str) -> None:
-        """Start the workers (each loads its shard, runs its self-check) and join the group as rank 0."""
-        port = _free_port()
-        for rank in range(1, self.size):
-            ours, theirs = socket.socketpair()
-            worker_device = f"cuda:{(device.index or 0) + rank}" if device.type == "cuda" else "cpu"
-            command = [
-                sys.executable,
-                "-m",
-                "clef_cuda.serving.tensor_parallel",
-                "--rank",
-                str(rank),
-                "--size",
-                str(self.size),
-                "--port",
-                str(port),
-                "--control-fd",
-                str(theirs.fileno()),
-                "--release",
-                str(release),
-                "--device",
-                worker_device,
-                "--dtype",
-                str(dtype).removeprefix("torch."),
-                "--quantize",
-                quantize,
-                "--timeout",
-                str(self.timeout),
-            ]
-            self.workers.append(subprocess.Popen(command, pass_fds=(theirs.fileno(),)))
-            theirs.close()
-            self.channels.append(Connection(os.dup(ours.fileno())))
-            ours.close()
-        self.group = _join(0, self.size, port, device, self.timeout)
-        for rank, channel in enumerate(self.channels, 1):  # each worker's report: loaded and self-checked
-            if not channel.poll(START_TIMEOUT_S):
-                self.stop()
-                raise TensorParallelLost(f"tensor-parallel rank {rank} did not start within {START_TIMEOUT_S:.0f} s")
-            try:
-                status, detail = pickle.loads(channel.recv_bytes())
-            except (EOFError, OSError):
-                status, detail = "failed", f"exited with code {self.workers[rank - 1].wait()}"
-            if status != "ready":
-                self.stop()
-                raise TensorParallelLost(f"tensor-parallel rank {rank} failed to start: {detail}")
-            log.info("tensor-parallel rank %d ready: %s", rank, detail)
+    def launch(self, release: str | Path, device: torch.device, dtype: torch.dtype, quantize: str) -> None:
+        """Start the workers: each loads its shard and runs its self-check while rank 0 loads its own."""
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False)
+        self._launched = time.monotonic()
+        self.device = device
+        try:
+            for rank in range(1, self.size):
+                ours, theirs = socket.socketpair()
+                worker_device = f"cuda:{(device.index or 0) + rank}" if device.type == "cuda" else "cpu"
+                argv = [sys.executable, "-m", "clef_cuda.serving.tensor_parallel", "--rank", str(rank)]
+                argv += [
+                    "--size",
+                    str(self.size),
+                    "--port",
+                    str(self._store.port),
+                    "--control-fd",
+                    str(theirs.fileno()),
+                ]
+                argv += ["--release", str(release), "--device", worker_device, "--parent", str(os.getpid())]
+                argv += [
+                    "--dtype",
+                    str(dtype).removeprefix("torch."),
+                    "--quantize",
+                    quantize,
+                    "--timeout",
+                    str(self.timeout),
+                ]
+                self.workers.append(Child(f"tensor-parallel rank {rank}", argv, pass_fds=(theirs.fileno(),)))
+                theirs.close()
+                self.channels.append(Connection(os.dup(ours.fileno())))
+                ours.close()
+        except BaseException:
+            self.stop()
+            raise
         threading.Thread(target=self._watch, name="clef-tp-watch", daemon=True).start()
+
+    def join(self, device: torch.device) -> None:
+        """Wait for every worker's report (loaded, self-checked), then rendezvous; TensorParallelLost (every
+        worker reaped) if one failed, died, or did not report within the start budget. A worker loading as
+        slowly as rank 0 did is not failed for it: the budget runs to START_TIMEOUT_S after the launch or
+        RENDEZVOUS_TIMEOUT_S after rank 0 finished loading, whichever is later."""
+        deadline = max(self._launched + START_TIMEOUT_S, time.monotonic() + RENDEZVOUS_TIMEOUT_S)
+        try:
+            for worker, channel in zip(self.workers, self.channels, strict=True):
+                wait_for(lambda c=channel: c.poll(), [worker], deadline, "ready (loaded, self-checked)")
+                status, detail = self._receive(channel, worker)
+                if status != "ready":
+                    raise ChildFailed(f"{worker.name} failed to start: {detail}")
+                log.info("%s ready: %s", worker.name, detail)
+            group = self._rendezvous(device)
+        except (ChildFailed, TensorParallelLost) as error:
+            self.stop()
+            raise TensorParallelLost(str(error)) from error
+        except BaseException:
+            self.stop()
+            raise
+        self.collectives = _Collectives(group, device, self.timeout, self.mark_lost)
+
+    def _rendezvous(self, device: torch.device):
+        """Join the group as rank 0 on a thread, polling the workers meanwhile (one that dies is seen at once)."""
+        joined: dict = {}
+
+        def run() -> None:
+            try:
+                joined["group"] = _join(0, self.size, self._store, device, self.timeout)
+            except BaseException as error:  # noqa: BLE001 (handed to the waiting thread)
+                joined["error"] = error
+
+        threading.Thread(target=run, name="clef-tp-rendezvous", daemon=True).start()
+        wait_for(lambda: bool(joined), self.workers, time.monotonic() + RENDEZVOUS_TIMEOUT_S, "in the group")
+        if "error" in joined:
+            raise TensorParallelLost(f"the tensor-parallel rendezvous failed: {first_line(joined['error'])}")
+        return joined["group"]
 
     def attach(self, trunk) -> None:
         """Make `trunk` (rank 0's shard) tell the workers each call and sum over the group."""
         trunk.peers = self
-        trunk.collectives = _Collectives(self, self.group)
+        trunk.collectives = self.collectives
 
     # ---- faults --------------------------------------------------------------------------------------
-    def mark_lost(self, reason: str) -> None:
+    def mark_lost(self, reason: str, fault=None) -> None:
         with self._lock:
             if self.lost is not None or self._stopping:
+                self.lost_fault = self.lost_fault or fault
                 return
-            self.lost = reason
+            self.lost, self.lost_fault = reason, fault
+        if self.collectives is not None and self.collectives.lost is None:
+            self.collectives.lost = reason
         log.error("%s", reason)
         if self.on_lost is not None:
-            self.on_lost(reason)
+            self.on_lost(reason, self.lost_fault)
 
     def _watch(self) -> None:
-        while not self._stopping:
-            for rank, worker in enumerate(self.workers, 1):
-                code = worker.poll()
-                if code is not None and not self._stopping:
-                    self.mark_lost(f"tensor-parallel rank {rank} exited with code {code}")
+        while not self._stopping and self.lost is None:
+            for worker, channel in zip(self.workers, self.channels, strict=True):
+                if not worker.alive() and not self._stopping:
+                    self.mark_lost(
+                        f"{worker.name} exited ({worker.how_ended()})", self._reported_fault(worker, channel)
+                    )
                     return
             time.sleep(0.2)
 
+    def _reported_fault(self, worker: Child, channel: Connection):
+        """The sticky CUDA fault a dead worker reported on its way out, if it did (its last message)."""
+        from clef_cuda.serving.guarded_ops import KernelFault
+
+        with self._read_lock:
+            try:
+                while channel.poll(0):
+                    message = pickle.loads(channel.recv_bytes())
+                    if message[0] == "fault":
+                        kernel, text = message[1]
+                        return KernelFault(kernel, f"{text} (on {worker.name})")
+            except (EOFError, OSError):
+                pass
+        return None
+
+    def _lost_error(self) -> TensorParallelLost:
+        return TensorParallelLost(self.lost or "the tensor-parallel group is lost", self.lost_fault)
+
     # ---- Trunk.peers ---------------------------------------------------------------------------------
-    def run(self, trunk, call: str, *args) -> None:
-        """Tell every worker to make `call` with `args` on its shard (the same collectives follow)."""
+    def call(self, trunk, call: str, args: tuple, local: Callable):
+        """Make `call` on every rank: the workers are told first, rank 0 runs local(); every rank finishes the
+        call's collectives even if its part raised (lock-step), then rank 0 waits, with the deadline, for its own
+        device work and every worker's answer. Raises rank 0's own error, else StepFailedOnRank for a worker's, else
+        returns local()'s result."""
         if self.lost is not None:
-            raise TensorParallelLost(self.lost)
-        if call == "forward":
-            batch, cache, lora, probe = args
-            if lora:
-                raise TensorParallelLost("LoRA variants are not sharded across tensor-parallel ranks")
-            message = (call, trunk.ops_name, _batch_message(batch), cache.name)
-        elif call == "mlp":
-            index, h = args
-            message = (call, trunk.ops_name, index, h.cpu())
-        elif call == "copy_slot":
-            cache, destination, source = args
-            message = (call, trunk.ops_name, cache.name, destination, source)
-        else:  # allocate_cache
-            message = (call, trunk.ops_name, *args)
+            raise self._lost_error()
+        message = _message(trunk, call, args)
         payload = pickle.dumps(message)  # plain pickle: tensors by value (not torch's shared-memory handles)
         try:
             for channel in self.channels:
                 channel.send_bytes(payload)
         except (OSError, EOFError) as error:
             self.mark_lost(f"a tensor-parallel worker stopped listening ({error})")
-            raise TensorParallelLost(self.lost) from error
+            raise self._lost_error() from error
+        collectives = self.collectives
+        c = trunk.config
+        collectives.begin(collective_schedule(call, message[2], c.hidden_size, c.num_layers, trunk.dtype))
+        error = result = None
+        try:
+            result = local()
+        except TensorParallelLost:
+            raise
+        except Exception as raised:  # rank 0's part failed: the others finish the call, then it fails here
+            error = raised
+            collectives.drain()
+        if error is None:
+            collectives.settle()
+        failures = self._answers()
+        if error is not None:
+            raise error
+        if failures:
+            raise StepFailedOnRank("; ".join(failures))
+        return result
+
+    def _answers(self) -> list[str]:
+        """Every worker's answer to the call just made (within the deadline): the failures, in words."""
+        deadline = time.monotonic() + self.timeout
+        failures = []
+        for worker, channel in zip(self.workers, self.channels, strict=True):
+            try:
+                wait_for(channel.poll, [worker], deadline, "done with the call")
+                status, detail, news = self._receive(channel, worker)
+            except ChildFailed as error:
+                self.mark_lost(str(error))
+                raise self._lost_error() from error
+            for kernel, why in news.items():  # a launch failure on the worker: rank 0 records it too
+                if self.on_kernel_failed is not None:
+                    self.on_kernel_failed(kernel, f"{why} (on {worker.name})")
+            if status == "fault":  # a sticky CUDA fault: the worker exits; the server records the kernel
+                from clef_cuda.serving.guarded_ops import KernelFault
+
+                kernel, text = detail
+                fault = KernelFault(kernel, f"{text} (on {worker.name})")
+                self.mark_lost(f"{worker.name}: {fault}", fault)
+                raise self._lost_error()
+            if status == "failed":
+                failures.append(f"{worker.name} failed the step: {detail}")
+        return failures
+
+    def _receive(self, channel: Connection, worker: Child) -> tuple:
+        try:
+            with self._read_lock:
+                return pickle.loads(channel.recv_bytes())
+        except (EOFError, OSError) as error:
+            worker.process.wait(5) if worker.alive() else None
+            raise ChildFailed(f"{worker.name} {worker.how_ended()} (its channel closed)") from error
+
+    def install(self, trunk, report, buckets, config) -> None:
+        """The kernel decisions rank 0's autotune installed (failures, choices, the int8 policy's shapes) on every
+        worker's trunk, so that every rank runs the same kernels."""
+        shapes = {"max_num_seqs": config.max_num_seqs, "prefill_chunk_size": config.prefill_chunk_size}
+        self.call(trunk, "install", (report.to_json(), [asdict(b) for b in buckets], shapes), lambda: None)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Tell every worker to exit, wait for them (killing any that do not), leave the group."""
@@ -219,32 +449,30 @@ class TensorParallel:
                 channel.close()
             except (OSError, EOFError):
                 pass
-        deadline = time.monotonic() + timeout
-        for worker in self.workers:
-            try:
-                worker.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+        reap_all(self.workers, timeout)
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as error:  # a group whose peers are gone may not destroy cleanly
+                log.warning("leaving the tensor-parallel group: %s", first_line(error))
 
 
-def _join(rank: int, size: int, port: int, device: torch.device, timeout: float):
-    """Join the ranks (NCCL on CUDA, gloo on the CPU) as `rank`: the rendezvous may take START_TIMEOUT_S (a
-    worker joins before it loads its shard); the group the trunk's collectives run on, `timeout`."""
+def _join(rank: int, size: int, store, device: torch.device, timeout: float):
+    """Join the ranks (NCCL on CUDA, gloo on the CPU) as `rank` over `store`. Gloo's own timeout is the
+    tensor-parallel timeout; NCCL's watchdog gets a grace on top, so that our polled deadline fires first."""
     import torch.distributed as dist
 
+    grace = NCCL_WATCHDOG_GRACE_S if device.type == "cuda" else 0.0
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=size,
-        timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=timeout + grace),
     )
-    return dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout))
+    return dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout + grace))
 
 
 def _nbytes(weight) -> int:
@@ -252,90 +480,152 @@ def _nbytes(weight) -> int:
     return sum(t.numel() * t.element_size() for t in parts)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---- the worker process ----------------------------------------------------------------------------------
+def _worker_ops(rank: int):
+    """The op library a worker's fast trunk starts on: clef_cuda.ops guarded (a launch failure routed to the
+    reference and reported), or the test-only library TEST_WORKER_OPS_ENV names."""
+    from clef_cuda import ops
+
+    base = ops
+    extra = os.environ.get(TEST_WORKER_OPS_ENV)
+    if extra:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("clef_test_worker_ops", extra)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        base = module.worker_ops(rank, ops)
+    return base
+
+
 def worker_main(argv: list[str]) -> int:
     import signal
+
+    parser = argparse.ArgumentParser(prog="clef_cuda.serving.tensor_parallel")
+    for name in ("--rank", "--size", "--port", "--control-fd", "--parent"):
+        parser.add_argument(name, type=int, required=True)
+    for name in ("--release", "--device", "--dtype", "--quantize"):
+        parser.add_argument(name, required=True)
+    parser.add_argument("--timeout", type=float, default=TP_TIMEOUT_S)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent)
+    # SIGTERM and Ctrl-C go to rank 0, which drains and then stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"tp rank {args.rank}: %(message)s")
+    channel = Connection(args.control_fd)
+    try:
+        return _worker(args, channel)
+    except (EOFError, OSError):  # rank 0 is gone
+        return 0
+
+
+def _worker(args, channel: Connection) -> int:
+    import torch.distributed as dist
 
     from clef_cuda import reference
     from clef_cuda.model.config import load_release_config
     from clef_cuda.model.shard import Shard, local_config
     from clef_cuda.model.trunk import Trunk
     from clef_cuda.model.weights import load_release_weights
+    from clef_cuda.serving.guarded_ops import GuardedOps, as_kernel_fault
     from clef_cuda.serving.selfcheck import run_selfcheck
 
-    parser = argparse.ArgumentParser(prog="clef_cuda.serving.tensor_parallel")
-    for name in ("--rank", "--size", "--port", "--control-fd"):
-        parser.add_argument(name, type=int, required=True)
-    for name in ("--release", "--device", "--dtype", "--quantize"):
-        parser.add_argument(name, required=True)
-    parser.add_argument("--timeout", type=float, default=TP_TIMEOUT_S)
-    args = parser.parse_args(argv)
-    # SIGTERM and Ctrl-C go to rank 0, which drains and then stops the workers.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=f"tp rank {args.rank}: %(message)s")
-    channel = Connection(args.control_fd)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = _join(args.rank, args.size, args.port, device, args.timeout)
+    news: dict[str, str] = {}  # kernels the guarded library marked failed since the last answer
     try:
         config = load_release_config(args.release)
-        shard = Shard(args.rank, args.size)
         weights = load_release_weights(
-            args.release, config, device, dtype, progress=False, quantize=args.quantize, shard=shard
+            args.release,
+            config,
+            device,
+            dtype,
+            progress=False,
+            quantize=args.quantize,
+            shard=Shard(args.rank, args.size),
         )
-        trunk = Trunk(local_config(config.trunk, args.size), weights.trunk, dtype)
+        ops_ = GuardedOps(_worker_ops(args.rank), on_failure=lambda kernel, why: news.__setitem__(kernel, why))
+        trunk = Trunk(local_config(config.trunk, args.size), weights.trunk, dtype, ops=ops_)
+        with torch.inference_mode():
+            report = run_selfcheck(trunk)
     except Exception as error:
-        channel.send_bytes(pickle.dumps(("failed", f"loading its shard: {error}")))
+        channel.send_bytes(pickle.dumps(("failed", f"loading its shard: {first_line(error, 400)}")))
         return EXIT_WORKER_FAILED
-    with torch.inference_mode():
-        report = run_selfcheck(trunk)
     if not report.passed:
         channel.send_bytes(pickle.dumps(("failed", f"its self-check failed:\n{report.table()}")))
         return EXIT_WORKER_FAILED
-    trunk.collectives = _Collectives(None, group)
-    trunks = {"fast": trunk, "reference": trunk.with_ops(reference)}
     shard_bytes = sum(_nbytes(t) for t in weights.trunk.values() if t is not None)
     ready = f"{shard_bytes / 2**20:.1f} MiB of trunk weights, self-check {report.summary()}"
     channel.send_bytes(pickle.dumps(("ready", ready)))
+    store = dist.TCPStore(
+        "127.0.0.1", args.port, args.size, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    )
+    lost: list[str] = []
+    collectives = _Collectives(
+        _join(args.rank, args.size, store, device, args.timeout), device, args.timeout, lost.append
+    )
+    trunk.collectives = collectives
+    trunks = {"fast": trunk, "reference": trunk.with_ops(reference)}
     caches = {}
+    c = trunk.config
     with torch.inference_mode():
         while True:
-            try:
-                message = pickle.loads(channel.recv_bytes())
-            except (EOFError, OSError):  # rank 0 is gone
+            message = pickle.loads(channel.recv_bytes())
+            call = message[0]
+            if call == "stop":
                 return 0
-            call, ops_name = message[0], message[1] if len(message) > 1 else None
+            _, ops_name, rows, *rest = message
+            on = trunks[ops_name]
+            collectives.begin(collective_schedule(call, rows, c.hidden_size, c.num_layers, dtype))
             try:
-                if call == "stop":
-                    return 0
-                on = trunks[ops_name]
                 if call == "forward":
-                    _, _, batch, name = message
+                    batch, name = rest
                     on.forward(_batch_from(batch, device), caches[name])
                 elif call == "mlp":
-                    _, _, index, h = message
+                    index, h = rest
                     on.mlp(index, h.to(device))
                 elif call == "copy_slot":
-                    _, _, name, destination, source = message
+                    name, destination, source = rest
                     on.copy_slot(caches[name], destination, source)
                 elif call == "allocate_cache":
-                    _, _, num_slots, num_blocks, block_size, name = message
+                    num_slots, num_blocks, block_size, name = rest
                     caches.pop(name, None)
                     caches[name] = on.allocate_cache(num_slots, num_blocks, block_size, name)
+                elif call == "install":
+                    _install(trunk, *rest)
+                    trunks["reference"] = trunk.with_ops(reference)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the call is done on this card (a fault surfaces here)
+                status, detail = "ok", None
             except TensorParallelLost as error:
                 log.error("%s", error)
                 return 1
-            except Exception:  # rank 0 sees the same step fail (its collective times out): make it prompt
-                log.exception("tensor-parallel rank %d: %s failed", args.rank, call)
-                return 1
+            except Exception as error:
+                fault = as_kernel_fault(error, trunk.ops)
+                if fault is not None:  # the context is gone: say which kernel, then exit
+                    log.critical("%s", fault)
+                    channel.send_bytes(pickle.dumps(("fault", (fault.kernel, fault.error), dict(news))))
+                    return EXIT_WORKER_FAULT
+                log.exception("tensor-parallel rank %d: %s failed (the call is failed on every rank)", args.rank, call)
+                try:
+                    collectives.drain()  # the other ranks must not wait in this call's collectives
+                except TensorParallelLost as lost_error:
+                    log.error("%s", lost_error)
+                    return 1
+                status, detail = "failed", f"{type(error).__name__}: {first_line(error)}"
+            channel.send_bytes(pickle.dumps((status, detail, dict(news))))
+            news.clear()
+
+
+def _install(trunk, report_json: dict, buckets: list[dict], shapes: dict) -> None:
+    from clef_cuda.serving.autotune import AutotuneReport, Bucket, install
+
+    report = AutotuneReport.from_json(report_json, {}, cached=False)
+    install(
+        trunk, report, [Bucket(**b) for b in buckets], None, SimpleNamespace(**shapes), on_failure=trunk.ops.on_failure
+    )
 
 
 if __name__ == "__main__":
