@@ -124,8 +124,9 @@ class Metrics:
         self._selfcheck_seen = None  # the last report exported (the engine's timed runs replace it)
         self.shadow_checks = Counter(
             "clef_shadow_checks",
-            "Answered records re-decided on the reference ops, by result: match, mismatch, or dropped (a sample "
-            "that found the queue full or waited past its age)",
+            "Answered records re-decided on the reference ops, by result: match, mismatch, marginal (only the "
+            "probabilities, within 10x their tolerance, with every layer matched: a log line), or dropped (a sample "
+            "that found the queue full, waited past its age or could not start)",
             ["result"],
             registry=r,
         )
@@ -137,7 +138,7 @@ class Metrics:
             "The bound a shadow-checked record's |p_served - p_reference| must stay within",
             registry=r,
         )
-        for result in ("match", "mismatch", "dropped"):
+        for result in ("match", "mismatch", "marginal", "dropped"):
             self.shadow_checks.labels(result=result)
         self.tokenized_characters = Counter(
             "clef_tokenized_characters",
@@ -224,7 +225,7 @@ class Metrics:
         self.queue_depth.set(engine.queue_depth)
         self.running.set(engine.running)
         shadow = engine.shadow.stats
-        for result in ("match", "mismatch", "dropped"):
+        for result in ("match", "mismatch", "marginal", "dropped"):
             self._advance(self.shadow_checks, getattr(shadow, result), result=result)
         self._advance(self.tokenized_characters, engine.decider.tokenizer.tokenized_chars)
         for (layer, kind), count in list(shadow.mismatches_by_layer.items()):

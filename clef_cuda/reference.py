@@ -232,9 +232,10 @@ def paged_attention(
     block_tables [B, max_blocks] -> out [N, Hq, D]. Query i of a sequence with L queries and context C
     attends keys [0, C - L + i]; query head h reads KV head h // (Hq/Hkv). `kernel` (which CUDA kernel
     the op runs) and `max_query_len` (how a GPU launch sizes its grid) are accepted for the op's
-    signature; the reference has one implementation and needs neither."""
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    group = num_q_heads // key_cache.shape[2]
+    signature; the reference has one implementation and needs neither. One KV head (and its query heads) at a
+    time, so its memory stays what paged_attention_peak_bytes says (shadow runs plan on it)."""
+    num_q_heads, num_kv_heads, head_dim = query.shape[1], key_cache.shape[2], query.shape[2]
+    group = num_q_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     if out is None:
         out = torch.empty_like(query)
@@ -242,14 +243,36 @@ def paged_attention(
         q_len, ctx = end - start, int(context_lens[b])
         if q_len == 0:
             continue
-        keys = gather_context(key_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
-        values = gather_context(value_cache, block_tables[b], ctx).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query[start:end].float() * scale, keys)
         positions = torch.arange(ctx, device=query.device)
         allowed = positions[None, :] <= (ctx - q_len + torch.arange(q_len, device=query.device))[:, None]
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+        for kv_head in range(num_kv_heads):
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            # [group x q_len, D]: the KV head's query heads, one after the other (plain 2-D matmuls: no copy of
+            # the keys broadcast to each query head)
+            queries = (query[start:end, heads].float() * scale).transpose(0, 1).reshape(group * q_len, head_dim)
+            keys = gather_context(key_cache[:, :, kv_head], block_tables[b], ctx).float()  # [ctx, D]
+            scores = (queries @ keys.t()).view(group, q_len, ctx)
+            del keys
+            probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1)
+            del scores
+            values = gather_context(value_cache[:, :, kv_head], block_tables[b], ctx).float()
+            rows = probs.view(group * q_len, ctx) @ values  # [group x q_len, D]
+            del probs, values  # before the next KV head's scores
+            out[start:end, heads] = rows.view(group, q_len, head_dim).transpose(0, 1).to(out.dtype)
     return out
+
+
+def paged_attention_peak_bytes(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, q_len: int, context: int, cache_dtype: torch.dtype
+) -> int:
+    """What paged_attention above holds at its peak for one sequence of q_len queries over `context` keys, beyond
+    its inputs and output: one KV head at a time, its keys or values gathered from the pages (cache dtype) and in
+    fp32, its query heads' fp32 scores and probabilities [Hq / Hkv, q_len, context] side by side, the causal mask,
+    and its queries and output rows in fp32 (einsum's copies)."""
+    group, element = num_q_heads // num_kv_heads, torch.empty((), dtype=cache_dtype).element_size()
+    one_head_keys = context * head_dim * (element + 4)
+    rows = 3 * q_len * group * head_dim * 4
+    return one_head_keys + rows + context * q_len + 2 * group * q_len * context * 4
 
 
 # ---- int8 weights ------------------------------------------------------------------------------

@@ -33,16 +33,10 @@ def selfcheck_cost():
     return module
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> bool:
-    actual, expected = actual.float(), expected.float()
-    scale = float(expected.abs().max().clamp_min(1e-30))
-    return bool(torch.isfinite(actual).all()) and float((actual - expected).abs().max()) <= rtol * scale
-
-
 def main() -> int:
     from clef_cuda import ops, reference
     from clef_cuda.serving.autotune import TuneTarget, _AttentionCase
-    from clef_cuda.serving.selfcheck import OP_RTOL, run_selfcheck
+    from clef_cuda.serving.selfcheck import OP_RTOL, run_selfcheck, within
 
     if not torch.cuda.is_available():
         print("gpu_sanitize_cases: no GPU", file=sys.stderr)
@@ -72,7 +66,7 @@ def main() -> int:
                 kernel="wmma2",
                 max_query_len=max(case.batch.q_lens),
             )
-            ok = close(out, expected, 2 * OP_RTOL[dtype])
+            ok = within(out, expected, 2 * OP_RTOL[dtype])
             print(f"{name} {dtype}: {'ok' if ok else 'MISMATCH'}")
             if not ok:
                 failures.append(f"{name} {dtype}")
@@ -82,7 +76,7 @@ def main() -> int:
         angles = torch.rand(37, config.rotary_dim // 2, device=device) * 100
         expected = reference.rms_norm_rope(x.clone(), scale, angles.cos(), angles.sin(), 1e-6)
         out = ops.rms_norm_rope(x, scale, angles.cos(), angles.sin(), 1e-6, out=x)
-        ok = close(out, expected, 2 * OP_RTOL[dtype])
+        ok = within(out, expected, 2 * OP_RTOL[dtype])
         print(f"rms_norm_rope in place {dtype}: {'ok' if ok else 'MISMATCH'}")
         if not ok:
             failures.append(f"rms_norm_rope in place {dtype}")

@@ -4,6 +4,7 @@ millisecond around one call, its peak above the level just before. Run as
 
     python tests/memory_probe.py vision HIDDEN INTERMEDIATE HEADS DEPTH GRID_H GRID_W
     python tests/memory_probe.py load RELEASE QUANTIZE
+    python tests/memory_probe.py shadow_attention HQ HKV HEAD_DIM CONTEXT [expanded]
 
 and it prints one JSON line {"peak": bytes, ...}. tests/test_plan.py compares it with the memory plan."""
 
@@ -81,7 +82,58 @@ def load(release: str, quantize: str) -> dict:
     return {"peak": peak, "weights": sum(holder["d"].weight_bytes().values())}
 
 
+def _expanded_attention(query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables):
+    """The fault the shadow's memory test must catch: the reference attention as it was, every KV head expanded to
+    its query heads in fp32 and a masked copy of all heads' scores beside their probabilities."""
+    import torch
+
+    from clef_cuda.reference import gather_context
+
+    group = query.shape[1] // key_cache.shape[2]
+    (ctx,) = context_lens.tolist()
+    keys = gather_context(key_cache, block_tables[0], ctx).float().repeat_interleave(group, dim=1)
+    values = gather_context(value_cache, block_tables[0], ctx).float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float() * query.shape[2] ** -0.5, keys)
+    q_len = query.shape[0]
+    allowed = torch.arange(ctx)[None, :] <= (ctx - q_len + torch.arange(q_len))[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+
+
+def shadow_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, context: int, variant: str = "") -> dict:
+    """The reference attention of one shadow chunk (as many tokens as shadow_chunk_tokens allows at `context`) over a
+    `context`-token paged cache in fp32: its peak beyond its inputs and output, and what the plan reserves."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from clef_cuda import reference
+    from clef_cuda.serving.shadow import shadow_chunk_tokens, shadow_scores_bytes
+
+    torch.set_num_threads(1)
+    config = SimpleNamespace(num_attention_heads=num_q_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim)
+    chunk = shadow_chunk_tokens(config, context, dtype=torch.float32)
+    block_size = 16
+    blocks = -(-context // block_size)
+    generator = torch.Generator().manual_seed(0)
+    key_cache = torch.randn(blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    query = torch.randn(chunk, num_q_heads, head_dim, generator=generator)
+    args = (query, key_cache, value_cache, torch.tensor([0, chunk]), torch.tensor([context]))
+    tables = torch.arange(blocks)[None, :]
+    run = _expanded_attention if variant == "expanded" else reference.paged_attention
+    out = run(*args, tables)  # first use: thread pools, einsum's plans
+    del out
+    peak = peak_during(lambda: run(*args, tables))
+    return {"peak": peak, "planned": shadow_scores_bytes(config, context, torch.float32), "chunk": chunk}
+
+
 if __name__ == "__main__":
     kind, args = sys.argv[1], sys.argv[2:]
-    result = vision(*map(int, args)) if kind == "vision" else load(*args)
+    if kind == "vision":
+        result = vision(*map(int, args))
+    elif kind == "shadow_attention":
+        result = shadow_attention(*map(int, args[:4]), *args[4:])
+    else:
+        result = load(*args)
     print(json.dumps(result))

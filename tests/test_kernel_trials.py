@@ -26,7 +26,8 @@ from clef_cuda import Decider, reference
 from clef_cuda.serving import autotune as tuning
 from clef_cuda.serving import trial
 from clef_cuda.serving.engine import EngineConfig
-from clef_cuda.serving.guarded_ops import GUARDED_OPS, GuardedOps, KernelFault, cuda_error_kind
+from clef_cuda.serving.cuda_errors import classify
+from clef_cuda.serving.guarded_ops import GUARDED_OPS, GuardedOps, KernelFault
 
 ROOT = Path(__file__).resolve().parents[1]
 CANDIDATES = str(ROOT / "tests" / "trial_candidates.py")
@@ -38,16 +39,41 @@ def tiny():
     return Decider.from_release(tiny_release(), device="cpu", progress=False)
 
 
-def test_cuda_errors_are_told_apart():
-    assert cuda_error_kind(RuntimeError("CUDA error: an illegal memory access was encountered")) == "sticky"
-    assert cuda_error_kind(RuntimeError("CUDA error: misaligned address\nCUDA kernel errors ...")) == "sticky"
-    assert cuda_error_kind(RuntimeError("paged_attention: CUDA launch failed: unspecified launch failure")) == "sticky"
-    assert cuda_error_kind(RuntimeError("no kernel image is available for execution on the device")) == "launch"
-    assert (
-        cuda_error_kind(RuntimeError("glue: CUDA launch failed: too many resources requested for launch")) == "launch"
-    )
-    assert cuda_error_kind(ValueError("paged_attention: query must be [num_tokens, ...]")) is None
-    assert cuda_error_kind(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) is None
+def test_cuda_errors_are_told_apart_by_what_they_say_not_by_our_prefix():
+    """One classifier, from the CUDA runtime's own words: every launcher error carries our "CUDA launch failed"
+    prefix, which says nothing about the kind (it once made every wrapped error a launch error)."""
+    wrapped = "silu_mul: CUDA launch failed: "
+    assert classify(RuntimeError("CUDA error: an illegal memory access was encountered")) == "sticky"
+    assert classify(RuntimeError("CUDA error: misaligned address\nCUDA kernel errors ...")) == "sticky"
+    assert classify(RuntimeError(wrapped + "unspecified launch failure")) == "sticky"
+    assert classify(RuntimeError(wrapped + "the launch timed out and was terminated")) == "sticky"
+    assert classify(RuntimeError("no kernel image is available for execution on the device")) == "launch"
+    assert classify(RuntimeError(wrapped + "too many resources requested for launch")) == "launch"
+    assert classify(RuntimeError(wrapped + "invalid configuration argument")) == "launch"
+    assert classify(RuntimeError(wrapped + "out of memory")) == "out-of-memory"
+    assert classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")) == "out-of-memory"
+    assert classify(RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")) == "transient"
+    # Not a CUDA runtime error, whatever prefix it wears: a launcher refusing a shape, a bad argument.
+    assert classify(RuntimeError(wrapped + "paged_attention: more sequences in one call than a grid's 65,535")) is None
+    assert classify(ValueError("paged_attention: query must be [num_tokens, ...]")) is None
+
+
+def test_an_out_of_memory_or_a_busy_device_fails_the_call_and_bans_no_kernel():
+    seen = []
+
+    class Starved:
+        def silu_mul(self, *args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+
+        def add_rms_norm(self, *args, **kwargs):
+            raise RuntimeError("silu_mul: CUDA launch failed: CUDA-capable device(s) is/are busy or unavailable")
+
+    ops_ = GuardedOps(Starved(), on_failure=lambda kernel, why: seen.append(kernel))
+    with pytest.raises(torch.OutOfMemoryError):
+        ops_.silu_mul(torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="busy"):
+        ops_.add_rms_norm(torch.randn(3, 8), None, torch.ones(8), 1e-6)
+    assert seen == [] and ops_.failed == {}
 
 
 def test_every_failed_kernel_runs_the_reference_and_answers_stay_right(tiny):
@@ -135,17 +161,44 @@ def test_the_trials_record_a_crash_a_sticky_error_and_a_hang(tiny, monkeypatch):
     assert healthy.failures == {} and healthy.choices["paged_attention"]
 
 
-def test_a_trial_process_that_cannot_start_fails_every_kernel_it_did_not_see_pass(tiny, monkeypatch):
-    """If no trial process gets through (here: it dies before its first unit), nothing untried may run: every
-    kernel is failed and the trunk runs the reference ops."""
+def test_a_trial_process_that_cannot_start_makes_the_trials_unavailable_not_the_kernels_failed(
+    tiny, monkeypatch, tmp_path
+):
+    """A trial process that dies before it has a device (an exclusive-process GPU, a transient out-of-memory) says
+    nothing about any kernel: the trials are unavailable, this process keeps every untried kernel from running
+    (its op on the reference), and nothing is cached, so the next start tries again."""
     monkeypatch.setattr(trial.sys, "executable", "/bin/false")
+    monkeypatch.setattr(trial, "START_RETRY_S", 0.0)
     report = trial.tune_in_trials(tiny.trunk, CONFIG, "off", [], {"test": 3})
     expected = {f"{op}:cpu" for op in GUARDED_OPS} | {"paged_attention:cpu"}
-    assert set(report.failures) == expected
-    assert all(
-        why.startswith("untried: the trial process failed (crashed its trial process (exit 1)")
-        for why in report.failures.values()
-    )
+    assert set(report.failures) == expected and not report.cacheable
+    assert report.trials.startswith("unavailable: crashed its trial process (exit 1)"), report.trials
+    assert all(why.startswith("untried: the kernel trials were unavailable") for why in report.failures.values())
+    trunk = Decider.from_release(tiny_release(), device="cpu", progress=False).trunk
+    tuning.autotune(trunk, CONFIG, "off", tmp_path, "child")
+    assert list(tmp_path.iterdir()) == []  # nothing cached: a restart tries the trials again
+    assert set(trunk.ops.failed) == expected  # ... while this process runs the reference ops
+
+
+def test_the_real_layer_checks_and_the_int8_tune_run_in_the_trial_process(monkeypatch):
+    """The self-check's real-layer checks run in the trial process on random weights of the model's layer shapes,
+    and the int8 tune on a random weight of its largest shape (the serving process then tunes nothing itself). A
+    layer unit that crashes its trial process outside our kernels fails that self-check in the server (never run
+    there); the kernels it ran are not blamed."""
+    int8 = Decider.from_release(tiny_release(), device="cpu", progress=False, quantize="int8")
+    buckets = tuning.attention_buckets("fast", CONFIG.max_num_seqs, CONFIG.prefill_chunk_size, CONFIG.max_model_len)
+    report = trial.tune_in_trials(int8.trunk, CONFIG, "fast", buckets, {"test": 4})
+    assert report.failures == {} and set(report.choices["int8_linear"]) == {n for n, _ in tuning.int8_buckets(CONFIG)}
+    monkeypatch.setenv(trial.TEST_FAULT_ENV, "crash_in:selfcheck:delta_net")
+    crashed = trial.tune_in_trials(int8.trunk, CONFIG, "off", [], {"test": 5})
+    assert list(crashed.failures) == ["selfcheck:delta_net"], crashed.failures
+    assert crashed.failures["selfcheck:delta_net"].startswith("crashed its trial process (killed by SIGSEGV)")
+    tuning.install(int8.trunk, crashed, [], None, CONFIG)
+    from clef_cuda.serving.selfcheck import run_selfcheck
+
+    selfcheck = run_selfcheck(int8.trunk)
+    (failed,) = selfcheck.failures
+    assert failed.name == "layer0.delta_net" and "crashed its trial process" in failed.error, selfcheck.summary()
 
 
 def test_a_server_comes_up_serving_right_around_a_kernel_that_kills_its_trial(tmp_path):
@@ -193,7 +246,30 @@ def test_a_server_comes_up_serving_right_around_a_kernel_that_kills_its_trial(tm
     (path,) = cache.glob("autotune-*.json")
     cached = json.loads(path.read_text())["report"]
     assert set(cached["failures"]) == {"paged_attention:test-crash", "paged_attention:test-sticky"}
+    assert set(cached["choices"]["paged_attention"].values()) <= {"ours", "sdpa-flash", "sdpa-math"}
     assert any("FAILED KERNEL paged_attention:test-crash" in line for line in output)
+    # The restart reads it: no trial process runs, the same failures are kept from running, the same choices run.
+    with clef_serve_process(*args, env=env, ready_timeout=600) as (url, _, _):
+        again = httpx.get(url + "/ready").json()["autotune"]
+    assert again["cached"] and again["failures"] == failures and again["choices"] == cached["choices"]
+
+
+def test_a_server_whose_trials_are_unavailable_serves_on_the_reference_and_caches_nothing(tmp_path):
+    """The trial process cannot start (test-only: the device reported busy, as an exclusive-process GPU does): /ready
+    says the trials are unavailable, the server answers right on the reference ops, and nothing is cached."""
+    release = tiny_release()
+    cache = tmp_path / "autotune"
+    args = ("--w", str(release), "--d", "cpu", "--kernel-trials", "child", "--autotune-cache", str(cache))
+    request = random_request(random.Random(3), state_words=(40, 200), null_score_levels=False)
+    want, unrounded = reference_response(reference_model(release), request)
+    with clef_serve_process(*args, env={trial.TEST_FAULT_ENV: "busy_at_start"}, ready_timeout=600) as (url, _, _):
+        ready = httpx.get(url + "/ready")
+        got = httpx.post(url + "/v1/systemone", json=request, timeout=60)
+    assert ready.status_code == 200
+    trials = ready.json()["autotune"]["trials"]
+    assert trials.startswith("unavailable: could not start on the device: CUDA error: CUDA-capable device"), trials
+    assert got.status_code == 200 and not list(cache.glob("*.json"))
+    assert_answers_match(got.json()["answers"], want["answers"], unrounded)
 
 
 def test_a_sticky_fault_while_serving_exits_naming_the_kernel_and_the_restart_runs_without_it(tmp_path):

@@ -61,7 +61,7 @@ from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import DEFAULT_INT8_BY_ROWS, INT8_FUSED_MAX_ROWS, ChunkBatch, SequenceChunk, Trunk
 from clef_cuda.sdpa import SDPA_BACKENDS, paged_attention_sdpa
 from clef_cuda.serving.guarded_ops import GuardedOps
-from clef_cuda.serving.selfcheck import OP_RTOL
+from clef_cuda.serving.selfcheck import OP_RTOL, within
 
 log = logging.getLogger("clef_cuda.serving.autotune")
 
@@ -240,7 +240,13 @@ class AutotuneReport:
     # "op:kernel" -> why it must never run here (crashed or hung its trial, left a CUDA error, could not
     # launch, faulted while serving): GuardedOps routes around every one.
     failures: dict[str, str] = field(default_factory=dict)
-    trials: str = "inline"  # where the kernels were first tried: "inline" or "child"
+    # Where the kernels were first tried: "inline", "child", or "unavailable: why" (no trial process could start:
+    # the untried kernels are kept from running in `failures` for this process only; nothing is cached)
+    trials: str = "inline"
+
+    @property
+    def cacheable(self) -> bool:
+        return not self.trials.startswith("unavailable")
 
     def table(self) -> str:
         lines = [
@@ -320,13 +326,6 @@ def _raised(error: BaseException) -> str:
     return f"raised: {str(error).splitlines()[0][:80] if str(error) else type(error).__name__}"
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> bool:
-    actual, expected = actual.float(), expected.float()
-    if not torch.isfinite(actual).all():
-        return False
-    return float((actual - expected).abs().max()) <= rtol * float(expected.abs().max().clamp_min(1e-30))
-
-
 class _AttentionCase:
     """A pack of sequences, (new tokens, context) each, their caches filled with random keys and values,
     every sequence's blocks scattered through the pool."""
@@ -391,7 +390,7 @@ def tune_attention(
         try:
             with trial(candidate_kernel(name)):
                 out = verify.run(impl)
-            if _close(out, expected, 2 * rtol):
+            if within(out, expected, 2 * rtol):
                 eligible[name] = impl
             else:
                 report.rows.append(Row("paged_attention", "verify", name, None, "failed its check: the reference"))
@@ -415,7 +414,7 @@ def tune_attention(
         for name, impl in eligible.items():
             try:
                 with trial(candidate_kernel(name)):
-                    if name != "ours" and not _close(case.run(impl), ours, 2 * rtol):
+                    if name != "ours" and not within(case.run(impl), ours, 2 * rtol):
                         report.rows.append(Row("paged_attention", bucket.name, name, None, "failed its check: ours"))
                         continue
                     give_up = GIVE_UP_FACTOR * min(timings.values(), default=math.inf)
@@ -435,42 +434,60 @@ def int8_buckets(config) -> list[tuple[str, int]]:
     return [("rows 1", 1), ("rows 16", 16), (f"rows {INT8_FUSED_MAX_ROWS}", INT8_FUSED_MAX_ROWS), ("prefill", prefill)]
 
 
-def tune_int8_linear(trunk: Trunk, config, mode: str, report: AutotuneReport) -> None:
-    """With int8 weights: per step size (int8_buckets), the fused W8A16 kernel (ops.int8_linear: at most 64 rows),
-    dequantize + GEMM, and on the CPU in fp32 torch._weight_int8pack_mm, on the trunk's largest quantized weight
-    without a dense tail; each checked against dequantize + GEMM first. The chosen ones become the trunk's
-    int8_by_rows: where the fused kernel stops winning is measured on each device."""
+def int8_tuning_weight(trunk: Trunk) -> Int8Weight | None:
+    """The trunk's largest int8 weight without a dense tail: what the int8 tune times (None: not quantized)."""
     weights = [w for layer in trunk.layers for w in trunk._linear_weights(layer) if isinstance(w, Int8Weight)]
     plain = [w for w in weights if w.dense_tail is None]
-    if not plain:
-        return
-    device = trunk.device
-    weight = max(plain, key=lambda w: w.qweight.numel())
+    return max(plain, key=lambda w: w.qweight.numel()) if plain else None
+
+
+def random_int8_weight(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Int8Weight:
+    """An int8 weight of `shape` with random values and row scales: what a trial process, which has no weights,
+    tunes at the model's shape."""
+    generator = torch.Generator().manual_seed(2)
+    qweight = torch.randint(-127, 128, shape, dtype=torch.int8, generator=generator).to(device)
+    scale = (torch.rand(shape[0], generator=generator) * 1e-3 + 1e-4).to(device)
+    return Int8Weight(qweight, scale, dtype)
+
+
+def tune_int8_linear(
+    target: TuneTarget, weight: Int8Weight, config, mode: str, report: AutotuneReport, trial: Trial = no_trial
+) -> None:
+    """With int8 weights: per step size (int8_buckets), the fused W8A16 kernel (ops.int8_linear: at most 64 rows),
+    dequantize + GEMM, and on the CPU in fp32 torch._weight_int8pack_mm, on `weight` (int8_tuning_weight, or a
+    random one of its shape in a trial process); each checked against dequantize + GEMM first, each run a trial
+    unit named by its kernel. The chosen ones become the trunk's int8_by_rows: where the fused kernel stops
+    winning is measured on each device."""
+    device, dtype, library = target.device, target.dtype, target.ops
     generator = torch.Generator().manual_seed(1)
     choices = report.choices.setdefault("int8_linear", {})
-    dense = weight.dequantize(trunk.ops)
+    where = "cuda" if device.type == "cuda" else "cpu"
+    with trial(f"dequantize_int8:{where}"):
+        dense = weight.dequantize(library)
     scratch = torch.empty_like(dense)
-    fused_ok = f"int8_linear:{device.type}" not in report.failures
+    fused_ok = f"int8_linear:{where}" not in report.failures
+    kernels = {"dequantize+gemm": f"dequantize_int8:{where}", "fused": f"int8_linear:{where}"}
     for name, rows in int8_buckets(config):
-        x = torch.randn(rows, weight.shape[1], generator=generator).to(device, trunk.dtype)
+        x = torch.randn(rows, weight.shape[1], generator=generator).to(device, dtype)
         expected = torch.nn.functional.linear(x, dense)
         candidates = {
             "dequantize+gemm": lambda x=x: torch.nn.functional.linear(
-                x, trunk.ops.dequantize_int8(weight.qweight, weight.scale, out=scratch)
+                x, library.dequantize_int8(weight.qweight, weight.scale, out=scratch)
             )
         }
         if rows <= INT8_FUSED_MAX_ROWS and fused_ok:
-            candidates["fused"] = lambda x=x: trunk.ops.int8_linear(x, weight.qweight, weight.scale)
-        if device.type == "cpu" and trunk.dtype == torch.float32:
+            candidates["fused"] = lambda x=x: library.int8_linear(x, weight.qweight, weight.scale)
+        if device.type == "cpu" and dtype == torch.float32:
             candidates["int8pack_mm"] = lambda x=x: torch._weight_int8pack_mm(x, weight.qweight, weight.scale)
-        rtol = max(1e-4, 2 * OP_RTOL.get(trunk.dtype, OP_RTOL[torch.bfloat16]))
+        rtol = max(1e-4, 2 * OP_RTOL.get(dtype, OP_RTOL[torch.bfloat16]))
         timings = {}
         for candidate, fn in candidates.items():
             try:
-                if not _close(fn(), expected, rtol):
-                    report.rows.append(Row("int8_linear", name, candidate, None, "failed its check"))
-                    continue
-                timings[candidate] = _median_ms(fn, REPEATS[mode], device, candidate)
+                with trial(kernels.get(candidate, f"int8_linear:{candidate}")):
+                    if not within(fn(), expected, rtol):
+                        report.rows.append(Row("int8_linear", name, candidate, None, "failed its check"))
+                        continue
+                    timings[candidate] = _median_ms(fn, REPEATS[mode], device, candidate)
             except Exception as error:
                 report.rows.append(Row("int8_linear", name, candidate, None, _raised(error)))
         chosen = min(timings, key=timings.get) if timings else "dequantize+gemm"
@@ -565,13 +582,17 @@ def autotune(
             report = AutotuneReport(mode, key)
             with torch.inference_mode():
                 tune_attention(TuneTarget.of(trunk), buckets, mode, config.block_size, report)
-        if trunk.quantized and mode != "off":
-            with torch.inference_mode():
-                tune_int8_linear(trunk, config, mode, report)
+                if trunk.quantized and mode != "off":  # (a trial process tunes it there, on its shape)
+                    tune_int8_linear(TuneTarget.of(trunk), int8_tuning_weight(trunk), config, mode, report)
         report.seconds = time.monotonic() - started
-        if path is not None:
+        if path is not None and report.cacheable:
             _write(path, {"key": key, "report": report.to_json()})
-    install(trunk, report, buckets, path, config)
+    install(trunk, report, buckets, path if report.cacheable else None, config)
+    if not report.cacheable:
+        log.error(
+            "kernel trials %s: this process keeps every untried kernel from running (a restart tries again)",
+            report.trials,
+        )
     if report.failures:
         log.error(
             "kernels that failed on this device and will not run: %s",

@@ -283,17 +283,19 @@ class Engine:
                 raise
         ticket = Ticket(next(self._ids), concurrent.futures.Future(), record, list(images), adapter, request_id)
         with self._lock:
-            if not self._accepting or len(self._queue) >= self.config.max_queue:
-                self._release(adapter)
+            refusal = None
             if self.kernel_fault is not None:
-                raise EngineStoppedError(f"the GPU faulted ({self.kernel_fault}); the server must restart")
-            if not self._accepting:
-                raise EngineStoppedError("the server is shutting down")
-            if len(self._queue) >= self.config.max_queue:
-                raise QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests)")
-            self._queue.append((ticket, request))
-            self._lock.notify()
-        return ticket
+                refusal = EngineStoppedError(f"the GPU faulted ({self.kernel_fault}); the server must restart")
+            elif not self._accepting:
+                refusal = EngineStoppedError("the server is shutting down")
+            elif len(self._queue) >= self.config.max_queue:
+                refusal = QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests)")
+            if refusal is None:
+                self._queue.append((ticket, request))
+                self._lock.notify()
+                return ticket
+        self._release(adapter)  # a refused request lets go of its variant, whatever refused it
+        raise refusal
 
     def _release(self, adapter: Adapter | None) -> None:
         if adapter is not None and self.adapters is not None:
