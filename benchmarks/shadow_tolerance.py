@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """The healthy differences shadow verification must tolerate: records served by the engine (the fast ops,
 batched, chunked, from the prefix cache) against the same records re-decided on the reference ops
-(clef_cuda.serving.shadow), per release and serving dtype. The tolerance (SHADOW_TOLERANCE) is the worst
-of these times SHADOW_MARGIN. Table last.
+(clef_cuda.serving.shadow), per release and serving dtype. The tolerances (derived from the dtype's unit
+roundoff, each layer's roundings and the depth: clef_cuda.serving.shadow) must hold over them with their
+margin. Table last.
 
     python benchmarks/shadow_tolerance.py --records 60
     python benchmarks/shadow_tolerance.py --device cuda --dtypes f16,bf16 --gate
 
---gate exits 1 when a healthy record differs by more than the serving dtype's tolerance (the tolerance was
-measured on the CPU; scripts/gpu_check.sh checks it holds on the GPU).
+--gate exits 1 when a healthy record differs by more than a tolerance (scripts/gpu_check.sh checks they hold
+on the GPU).
 """
 
 from __future__ import annotations
@@ -80,73 +81,64 @@ def main() -> int:
     args = parser.parse_args()
     from releases import mid_release, tiny_release
 
+    from clef_cuda.model.config import load_release_config
     from clef_cuda.model.default_model import default_release
     from clef_cuda.serving.shadow import (
         FINGERPRINT_FLOOR,
         FINGERPRINT_GAIN,
-        FINGERPRINT_KINDS,
         FINGERPRINT_MARGIN,
-        FINGERPRINT_WORST_HEALTHY,
-        REPLAY_TOLERANCE,
-        REPLAY_WORST_HEALTHY,
-        SHADOW_FLOOR,
-        SHADOW_MARGIN,
-        SHADOW_TOLERANCE,
+        healthy_local_drift,
+        probability_tolerance,
+        replay_tolerance,
+        unit_roundoff,
     )
 
     releases = {"upstream-tiny": tiny_release, "mid": mid_release, "clef-tiny": default_release}
     rows, layer_rows = [], []
     for name, build in releases.items():
         requests = requests_for(name, args.records)
+        depth = load_release_config(build()).trunk.num_layers
         for dtype_name in args.dtypes.split(","):
             errors, layers = measure(build(), requests, args.device, DTYPES[dtype_name])
-            rows.append((name, dtype_name, len(errors), max(errors), statistics.median(errors)))
+            tolerance = probability_tolerance(DTYPES[dtype_name], depth)
+            rows.append((name, dtype_name, len(errors), max(errors), statistics.median(errors), tolerance))
             for kind, values in layers.items():
                 layer_rows.append((name, dtype_name, kind, len(values), max(values), statistics.median(values)))
     print(f"\nshadow verification: served (fast ops) vs reference ops, {args.device}, every record shadowed")
-    print(f"{'release':14s} {'dtype':5s} {'records':>7s} {'worst |dp|':>11s} {'median':>9s} {'tolerance':>10s}")
-    for name, dtype_name, count, worst, median in rows:
-        tolerance = SHADOW_TOLERANCE[DTYPES[dtype_name]]
-        print(f"{name:14s} {dtype_name:5s} {count:>7d} {worst:>11.2e} {median:>9.2e} {tolerance:>10.2e}")
-    for dtype_name in args.dtypes.split(","):
-        worst = max(r[3] for r in rows if r[1] == dtype_name)
-        margin = SHADOW_MARGIN * worst
-        print(f"worst {dtype_name}: {worst:.2e}; x{SHADOW_MARGIN:g} = {margin:.2e}, floor {SHADOW_FLOOR:g}")
-    print("\nlayer fingerprints: each record's worst local drift of a kind (|served - ref| / |ref| of the output,")
-    print(f"less {FINGERPRINT_GAIN:g} x its input's), and its worst norm and MLP replay channel gains")
-    print(f"{'release':14s} {'dtype':5s} {'kind':10s} {'records':>7s} {'worst':>11s} {'median':>9s} {'in use':>10s}")
-
-    def in_use_for(dtype_name: str, kind: str) -> float:
-        if kind.endswith("replay"):
-            return REPLAY_WORST_HEALTHY[DTYPES[dtype_name]]
-        return FINGERPRINT_WORST_HEALTHY[DTYPES[dtype_name]][kind]
+    print("probabilities: max |p_served - p_reference| per record; the tolerance from the dtype's unit roundoff u")
+    print("and the depth (clef_cuda.serving.shadow.probability_tolerance)")
+    header = f"{'release':14s} {'dtype':5s} {'records':>7s} {'worst |dp|':>11s} {'median':>9s} {'tolerance':>10s}"
+    print(f"{header} {'margin':>7s}")
+    for name, dtype_name, count, worst, median, tolerance in rows:
+        margin = tolerance / worst if worst else float("inf")
+        print(
+            f"{name:14s} {dtype_name:5s} {count:>7d} {worst:>11.2e} {median:>9.2e} {tolerance:>10.2e} {margin:>6.1f}x"
+        )
+    print("\nlayer fingerprints: each record's worst local drift of a kind (|served - ref| / |ref| of the output, less")
+    print(f"{FINGERPRINT_GAIN:g} x its input's), and its worst norm and MLP replay channel gains; 'bound': the healthy")
+    print(f"local drift derived, sqrt(roundings) x u (the tolerance: {FINGERPRINT_MARGIN:g} x it, at least the floor)")
+    header = f"{'release':14s} {'dtype':5s} {'kind':11s} {'records':>7s} {'worst':>11s} {'in u':>6s} {'bound':>10s}"
+    print(f"{header} {'tolerance':>10s}")
 
     def tolerance_for(dtype_name: str, kind: str) -> float:
         if kind.endswith("replay"):
-            return REPLAY_TOLERANCE[DTYPES[dtype_name]]
-        return FINGERPRINT_MARGIN * FINGERPRINT_WORST_HEALTHY[DTYPES[dtype_name]][kind]
+            return replay_tolerance(DTYPES[dtype_name], kind)
+        return max(FINGERPRINT_FLOOR, FINGERPRINT_MARGIN * healthy_local_drift(DTYPES[dtype_name], kind))
 
-    for name, dtype_name, kind, count, worst, median in layer_rows:
-        in_use = in_use_for(dtype_name, kind)
-        print(f"{name:14s} {dtype_name:5s} {kind:10s} {count:>7d} {worst:>11.2e} {median:>9.2e} {in_use:>10.2e}")
-    for dtype_name in args.dtypes.split(","):
-        for kind in FINGERPRINT_KINDS:
-            worst = max((r[4] for r in layer_rows if r[1] == dtype_name and r[2] == kind), default=0.0)
-            print(
-                f"fingerprint worst {dtype_name} {kind}: local drift {worst:.2e}; the tolerance is "
-                f"{FINGERPRINT_MARGIN:g} x ({FINGERPRINT_GAIN:g} x the input's drift + it), floor {FINGERPRINT_FLOOR:g}"
-            )
-        for test in ("norm replay", "MLP replay"):
-            worst = max((r[4] for r in layer_rows if r[1] == dtype_name and r[2] == test), default=0.0)
-            print(f"{test} worst {dtype_name}: {worst:.2e}; x{FINGERPRINT_MARGIN:g}, one tolerance at every depth")
-    over = [r for r in rows if r[3] > SHADOW_TOLERANCE[DTYPES[r[1]]]]
-    over += [
-        (name, dtype_name, 0, worst, 0.0)
-        for name, dtype_name, kind, _, worst, _ in layer_rows
-        if worst > tolerance_for(dtype_name, kind)
-    ]
-    for name, dtype_name, _, worst, _ in over:
-        print(f"OVER THE TOLERANCE: {name} {dtype_name} worst {worst:.2e} > {SHADOW_TOLERANCE[DTYPES[dtype_name]]:.2e}")
+    over = []
+    for name, dtype_name, kind, count, worst, _ in layer_rows:
+        dtype = DTYPES[dtype_name]
+        bound, tolerance = healthy_local_drift(dtype, kind), tolerance_for(dtype_name, kind)
+        in_u = worst / unit_roundoff(dtype)
+        print(
+            f"{name:14s} {dtype_name:5s} {kind:11s} {count:>7d} {worst:>11.2e} {in_u:>6.1f} {bound:>10.2e} "
+            f"{tolerance:>10.2e}"
+        )
+        if worst > tolerance:
+            over.append(f"{name} {dtype_name} {kind}: worst {worst:.2e} > {tolerance:.2e}")
+    over += [f"{r[0]} {r[1]} probabilities: worst {r[3]:.2e} > {r[5]:.2e}" for r in rows if r[3] > r[5]]
+    for line in over:
+        print(f"OVER THE TOLERANCE: {line}")
     return 1 if args.gate and over else 0
 
 

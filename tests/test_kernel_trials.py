@@ -25,8 +25,8 @@ from releases import reference_model, tiny_release
 from clef_cuda import Decider, reference
 from clef_cuda.serving import autotune as tuning
 from clef_cuda.serving import trial
-from clef_cuda.serving.engine import EngineConfig
 from clef_cuda.serving.cuda_errors import classify
+from clef_cuda.serving.engine import EngineConfig
 from clef_cuda.serving.guarded_ops import GUARDED_OPS, GuardedOps, KernelFault
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,7 +31,7 @@ from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.serving import shadow as shadow_module
 from clef_cuda.serving.engine import Engine, EngineConfig
 from clef_cuda.serving.selfcheck import run_selfcheck
-from clef_cuda.serving.shadow import SHADOW_TOLERANCE, ShadowConfig
+from clef_cuda.serving.shadow import ShadowConfig
 
 LONG_STATE = " ".join(f"line {i}: order {i * 7} shipped" for i in range(260))  # ~4.5k tokens
 SHORT = {"model": "clef-flash", "state": "Checkout fails for everyone.", "questions": {"outage": {"type": "noul"}}}
@@ -84,7 +84,7 @@ def test_a_fault_past_3000_tokens_turns_ready_503_at_the_first_long_record(caplo
         assert refused.status_code == 503 and "shadow verification failed" in refused.json()["detail"]["message"]
         metrics = shadow_metrics(client)
         assert metrics["mismatch"] == 1 and metrics["match"] >= 1
-        assert metrics["clef_shadow_max_abs_error"] > SHADOW_TOLERANCE[engine.decider.trunk.dtype]
+        assert metrics["clef_shadow_max_abs_error"] > engine.shadow.tolerance
         assert {
             s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples
         }["clef_ready"] == 0
@@ -133,8 +133,10 @@ def test_healthy_kernels_give_no_mismatch_over_200_records_with_images_and_varia
     finally:
         engine.stop(30)
     stats = engine.shadow.stats
-    assert (stats.match, stats.mismatch, stats.dropped) == (200, 0, 0), stats
-    assert 0 < stats.max_abs_error <= SHADOW_TOLERANCE[d.trunk.dtype]
+    # No enforced mismatch, and the tolerances hold with their margin (no record even marginal): 1.1e-5 is the worst
+    # seen on AVX-512, 3.5e-6 on AVX2 (pinned as the README says), against 5e-5.
+    assert (stats.match, stats.mismatch, stats.marginal, stats.dropped) == (200, 0, 0, 0), stats
+    assert 0 < stats.max_abs_error <= engine.shadow.tolerance
     assert registry.get("tuned").users == 0  # every sample let go of its hold on the variant
 
 

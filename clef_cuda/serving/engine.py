@@ -225,7 +225,7 @@ class Engine:
         self.image_tokens = 0
         self.vision_seconds = 0.0  # time in the vision tower
         # Verification while serving: shadow runs of answered records, and the self-check on a timer.
-        self.shadow = ShadowVerifier(config.shadow, decider.trunk.dtype, self._release)
+        self.shadow = ShadowVerifier(config.shadow, decider.trunk.dtype, self._release, decider.config.trunk.num_layers)
         self.shadow.lender = self
         self.sketch = CountSketch(decider.config.trunk.hidden_size, decider.device) if config.shadow.enabled else None
         self.selfcheck_report: SelfCheckReport | None = None  # the last timed run's (None: none yet)
