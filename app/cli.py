@@ -573,7 +573,12 @@ def selfcheck_only(args) -> int:
     """--selfcheck-only: the report on stdout, exit 0 when every check passed, 1 otherwise."""
     from clef_cuda.serving.selfcheck import run_selfcheck
 
-    report = run_selfcheck(make_decider(args).trunk, block_size=args.block_size)
+    trunk = make_decider(args).trunk
+    try:
+        report = run_selfcheck(trunk, block_size=args.block_size)
+    finally:
+        if trunk.peers is not None:  # the other ranks checked theirs (rank1.*, ...): they go now
+            trunk.peers.stop()
     print(report.table())
     print(f"self-check {report.summary()}")
     return 0 if report.passed else 1

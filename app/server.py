@@ -174,7 +174,14 @@ def create_app(
         if settings.selfcheck == "off":
             log.warning("the on-device kernel self-check is off (--selfcheck off): kernels are not verified here")
             return True
-        report = run_selfcheck(loaded.decider.trunk, block_size=loaded.config.block_size)
+        try:
+            report = run_selfcheck(loaded.decider.trunk, block_size=loaded.config.block_size)
+        except KernelFault as fault:  # a kernel the trials never ran at these shapes took the device down
+            kernel_fault(state.autotune, fault)
+            return False
+        except TensorParallelLost as error:
+            tensor_parallel_lost(str(error), error.kernel_fault)
+            return False
         state.selfcheck = report
         metrics.observe_selfcheck(report)
         if report.passed:

@@ -35,7 +35,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,7 @@ from clef_cuda import ops, reference
 from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk, rms_norm
 from clef_cuda.model.trunk_cache import TrunkCache
+from clef_cuda.serving.guarded_ops import as_kernel_fault
 
 Tensor = torch.Tensor
 
@@ -148,7 +149,8 @@ class SelfCheckReport:
 
 def run_selfcheck(trunk: Trunk, *, block_size: int = 16, seed: int = 0) -> SelfCheckReport:
     """Every fast op `trunk` runs, and one real layer of each kind, against clef_cuda.reference on the
-    trunk's device and dtype at its config's shapes. `block_size` is the serving KV block size."""
+    trunk's device and dtype at its config's shapes. `block_size` is the serving KV block size. A tensor-parallel
+    trunk's other ranks run theirs on their shards, their checks named "rank1.causal_conv1d_fwd.q", ..."""
     check = _SelfCheck.of(trunk, block_size, seed)
     started = time.perf_counter()
     results: list[Check] = []
@@ -157,6 +159,9 @@ def run_selfcheck(trunk: Trunk, *, block_size: int = 16, seed: int = 0) -> SelfC
             results += check.guarded(name, group)
         if check.device.type == "cuda":
             torch.cuda.synchronize(check.device)
+    if trunk.peers is not None:  # tensor parallel: every other rank checks its shard on its kernel decisions
+        for rank, report in trunk.peers.selfcheck(trunk, block_size):
+            results += [replace(c, name=f"rank{rank}.{c.name}") for c in report.checks]
     seconds = time.perf_counter() - started
     cpu_isa = None
     if check.device.type == "cpu":  # the CPU kernels come in variants (CLEF_CPU_ISA): say which one passed
@@ -264,6 +269,8 @@ class _SelfCheck:
         try:
             return group()
         except Exception as error:  # a kernel that raises (no image for this arch, a bad launch) fails
+            if as_kernel_fault(error, self.ops) is not None:  # ... but a lost CUDA context is the server's to handle
+                raise
             return [Check(name, math.inf, 0.0, error=f"{type(error).__name__}: {error}".splitlines()[0][:300])]
 
     def randn(self, *shape: int, dtype: torch.dtype | None = None, scale: float = 1.0) -> Tensor:

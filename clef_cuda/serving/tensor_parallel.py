@@ -219,7 +219,7 @@ def _message(trunk, call: str, args) -> tuple:
     if call == "copy_slot":
         cache, destination, source = args
         return (call, trunk.ops_name, 0, cache.name, destination, source)
-    return (call, trunk.ops_name, 0, *args)  # allocate_cache, install
+    return (call, trunk.ops_name, 0, *args)  # allocate_cache, install, selfcheck
 
 
 class TensorParallel:
@@ -241,6 +241,7 @@ class TensorParallel:
         self._stopping = False
         self._store = None
         self._launched = 0.0
+        self.answered: list = []  # what each worker answered to the last call (a self-check's report)
 
     # ---- start-up ------------------------------------------------------------------------------------
     def launch(self, release: str | Path, device: torch.device, dtype: torch.dtype, quantize: str) -> None:
@@ -402,9 +403,11 @@ class TensorParallel:
         return result
 
     def _answers(self) -> list[str]:
-        """Every worker's answer to the call just made (within the deadline): the failures, in words."""
+        """Every worker's answer to the call just made (within the deadline): the failures, in words (what each
+        answered, in self.answered)."""
         deadline = time.monotonic() + self.timeout
         failures = []
+        self.answered = []
         for worker, channel in zip(self.workers, self.channels, strict=True):
             try:
                 wait_for(channel.poll, [worker], deadline, "done with the call")
@@ -424,6 +427,7 @@ class TensorParallel:
                 raise self._lost_error()
             if status == "failed":
                 failures.append(f"{worker.name} failed the step: {detail}")
+            self.answered.append(detail)
         return failures
 
     def _receive(self, channel: Connection, worker: Child) -> tuple:
@@ -439,6 +443,11 @@ class TensorParallel:
         worker's trunk, so that every rank runs the same kernels."""
         shapes = {"max_num_seqs": config.max_num_seqs, "prefill_chunk_size": config.prefill_chunk_size}
         self.call(trunk, "install", (report.to_json(), [asdict(b) for b in buckets], shapes), lambda: None)
+
+    def selfcheck(self, trunk, block_size: int) -> list:
+        """Every worker's self-check on its shard, with the kernel decisions installed (rank, report) each."""
+        self.call(trunk, "selfcheck", (block_size,), lambda: None)
+        return list(enumerate(self.answered, 1))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Tell every worker to exit, wait for them (killing any that do not), leave the group."""
@@ -535,6 +544,7 @@ def _worker(args, channel: Connection) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     news: dict[str, str] = {}  # kernels the guarded library marked failed since the last answer
+    base_ops = _worker_ops(args.rank)
     try:
         config = load_release_config(args.release)
         weights = load_release_weights(
@@ -546,18 +556,13 @@ def _worker(args, channel: Connection) -> int:
             quantize=args.quantize,
             shard=Shard(args.rank, args.size),
         )
-        ops_ = GuardedOps(_worker_ops(args.rank), on_failure=lambda kernel, why: news.__setitem__(kernel, why))
+        ops_ = GuardedOps(base_ops, on_failure=lambda kernel, why: news.__setitem__(kernel, why))
         trunk = Trunk(local_config(config.trunk, args.size), weights.trunk, dtype, ops=ops_)
-        with torch.inference_mode():
-            report = run_selfcheck(trunk)
     except Exception as error:
         channel.send_bytes(pickle.dumps(("failed", f"loading its shard: {first_line(error, 400)}")))
         return EXIT_WORKER_FAILED
-    if not report.passed:
-        channel.send_bytes(pickle.dumps(("failed", f"its self-check failed:\n{report.table()}")))
-        return EXIT_WORKER_FAILED
     shard_bytes = sum(_nbytes(t) for t in weights.trunk.values() if t is not None)
-    ready = f"{shard_bytes / 2**20:.1f} MiB of trunk weights, self-check {report.summary()}"
+    ready = f"{shard_bytes / 2**20:.1f} MiB of trunk weights"
     channel.send_bytes(pickle.dumps(("ready", ready)))
     store = dist.TCPStore(
         "127.0.0.1", args.port, args.size, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
@@ -577,7 +582,7 @@ def _worker(args, channel: Connection) -> int:
             if call == "stop":
                 return 0
             _, ops_name, rows, *rest = message
-            on = trunks[ops_name]
+            on, answer = trunks[ops_name], None
             collectives.begin(collective_schedule(call, rows, c.hidden_size, c.num_layers, dtype))
             try:
                 if call == "forward":
@@ -596,9 +601,12 @@ def _worker(args, channel: Connection) -> int:
                 elif call == "install":
                     _install(trunk, *rest)
                     trunks["reference"] = trunk.with_ops(reference)
+                elif call == "selfcheck":  # with rank 0's kernel decisions installed: what serving will run
+                    (block_size,) = rest
+                    answer = run_selfcheck(trunk, block_size=block_size)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # the call is done on this card (a fault surfaces here)
-                status, detail = "ok", None
+                status, detail = "ok", answer
             except TensorParallelLost as error:
                 log.error("%s", error)
                 return 1
