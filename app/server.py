@@ -601,6 +601,7 @@ def create_app(
             body["shadow"] = {
                 "match": stats.match,
                 "mismatch": stats.mismatch,
+                "marginal": stats.marginal,
                 "dropped": stats.dropped,
                 "resumed": stats.resumed,
                 "restarted": stats.restarted,

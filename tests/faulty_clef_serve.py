@@ -2,7 +2,10 @@
 CLEF_TEST_FAULT picks the fault: key_band (the default: the seed's conv that zeroes the key band, which the
 self-check must catch) or sticky_rope_when_armed (rms_norm_rope raising the error a sticky CUDA fault raises,
 once the file CLEF_TEST_FAULT_ARMED names exists: a test creates it after start-up, so only serving meets it) or
-tp:<fault>, one of tests/tp_worker_faults.py's on rank 0 (armed by CLEF_TEST_TP_FAULT_ARMED).
+tp:<fault>, one of tests/tp_worker_faults.py's on rank 0 (armed by CLEF_TEST_TP_FAULT_ARMED), or shadow_oom_when_armed
+(the shadow run's reference attention out of memory while CLEF_TEST_TP_FAULT_ARMED exists; the serving ops healthy)
+or near_tolerance_when_armed (healthy ops; while armed, each record's probability tolerance is half its
+difference: it lands just past it, every layer matched, as a healthy record on another machine can).
 Test-only; nothing in clef_cuda or app imports this."""
 
 from __future__ import annotations
@@ -25,8 +28,50 @@ def _sticky_when_armed(original, *args, **kwargs):
     return original(*args, **kwargs)
 
 
+def _reference_oom_when_armed():
+    import torch
+
+    from clef_cuda import reference
+
+    healthy = reference.paged_attention
+
+    def paged_attention(*args, **kwargs):
+        if os.path.exists(os.environ["CLEF_TEST_TP_FAULT_ARMED"]):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.40 GiB (test-only)")
+        return healthy(*args, **kwargs)
+
+    reference.paged_attention = paged_attention
+
+
+def _near_tolerance_when_armed():
+    """While armed, the shadow judges each record with its probability tolerance at half the record's healthy
+    difference: the record lands just past it, every layer matched."""
+    from clef_cuda.serving.shadow import ShadowVerifier
+
+    judge = ShadowVerifier._judge
+
+    def near(self, result):
+        saved = self.tolerance
+        if os.path.exists(os.environ["CLEF_TEST_TP_FAULT_ARMED"]) and result.max_abs_error > 0:
+            self.tolerance = result.max_abs_error / 2
+        try:
+            judge(self, result)
+        finally:
+            self.tolerance = saved
+
+    ShadowVerifier._judge = near
+
+
 def _faulty_ops(path):
     fault = os.environ.get("CLEF_TEST_FAULT", "key_band")
+    if fault == "none":  # healthy: the other test hooks (a worker's, a trial's) do the faulting
+        return None
+    if fault == "shadow_oom_when_armed":
+        _reference_oom_when_armed()
+        return None
+    if fault == "near_tolerance_when_armed":
+        _near_tolerance_when_armed()
+        return None
     if fault == "key_band":
         return KeyBandZeroedOps(load_release_config(path).trunk.key_dim)
     if fault == "sticky_rope_when_armed":

@@ -7,6 +7,7 @@ CLEF_TEST_TP_FAULT_ARMED exists, and "once" ones delete it as they fire (the nex
   overflow_once_when_armed   the MLP's silu_mul returns infinities: every rank's hidden states overflow after the
                              all-reduces, as an f16 record whose activations pass 65504 does
   sticky_when_armed          rms_norm_rope raises the error a sticky CUDA fault raises
+  launch_when_armed          silu_mul raises the error a kernel with no image for the card raises
   hang_when_armed            silu_mul never returns (a kernel that deadlocks)
   attention_scaled_long      paged_attention's output x 1.5 past 256 tokens of context: this rank's heads answer
                              long records wrongly, where the start-up self-check (short contexts) cannot see
@@ -53,6 +54,8 @@ class FaultyOps:
             return lambda *a, **k: original(*a, **k).mul_(float("inf")) if _armed(once=True) else original(*a, **k)
         if name == "silu_mul" and fault == "hang_when_armed":
             return lambda *a, **k: time.sleep(3600) if _armed(once=False) else original(*a, **k)
+        if name == "silu_mul" and fault == "launch_when_armed":
+            return lambda *a, **k: _raise_launch() if _armed(once=False) else original(*a, **k)
         if name == "rms_norm_rope" and fault == "sticky_when_armed":
             return lambda *a, **k: _raise_sticky() if _armed(once=False) else original(*a, **k)
         if name == "paged_attention" and fault == "attention_scaled_long":
@@ -62,6 +65,10 @@ class FaultyOps:
 
 def _raise_oom():
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test-only)")
+
+
+def _raise_launch():
+    raise RuntimeError("silu_mul: CUDA launch failed: no kernel image is available for execution on the device")
 
 
 def _raise_sticky():
