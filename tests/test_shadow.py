@@ -15,6 +15,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from adapter_fixtures import checkpoint
 from fastapi.testclient import TestClient
 from faults import LayerFaultOps, LongContextFaultOps, OpFault
@@ -421,3 +422,90 @@ def test_each_fault_kind_is_caught_in_f16_and_bf16_and_named_by_layer(kind, dtyp
     expected = f"layer {power.faulted_layer(config, kind, layer)} ({power.LAYER_KIND[kind]})"
     assert outcome.mismatches > 0 and outcome.named, (outcome, expected)
     assert power.run(release, power.DTYPES[dtype], records, None, quantize).mismatches == 0
+
+
+def test_a_shadow_run_that_cannot_start_gives_back_its_blocks_and_its_hold(monkeypatch):
+    """A sample whose run fails to start after the engine lent it KV blocks (its head's buffers, the vision tower:
+    an out-of-memory) is dropped and counted, and gives back every lent block and its hold on the variant; the
+    next sample runs. (The run once kept both for the life of the process, unseen by clef_shadow_kv_blocks.)"""
+    import torch
+
+    d = decider()
+    registry = AdapterRegistry(d.config, d.trunk.lm_head, d.trunk.dtype)
+    registry.load("tuned", checkpoint("all"))
+    engine = engine_with(d, registry)
+    real_start = shadow_module.ShadowRun._start
+    failures = []
+
+    def start_once_out_of_memory(self, *args):
+        if not failures:
+            failures.append(self.blocks)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.40 GiB (test-only)")
+        return real_start(self, *args)
+
+    monkeypatch.setattr(shadow_module.ShadowRun, "_start", start_once_out_of_memory)
+    engine.start()
+    try:
+        engine.decide(SHORT | {"model": "tuned"}, timeout=300)
+        wait_until(lambda: verdicts(engine) == 1, "the failed sample's verdict")
+        assert engine.shadow.stats.dropped == 1 and failures and failures[0]  # it had been lent blocks
+        assert engine.blocks.used == engine.prefix_cache.blocks_held and engine.shadow.lent_blocks == 0
+        assert registry.get("tuned").users == 0
+        engine.decide(SHORT | {"model": "tuned"}, timeout=300)
+        wait_until(lambda: verdicts(engine) == 2, "the next sample's verdict")
+        assert engine.shadow.stats.match == 1
+    finally:
+        engine.stop(30)
+    assert registry.get("tuned").users == 0
+
+
+def test_a_refused_request_lets_go_of_its_variant_whatever_refused_it():
+    """Submitting to an engine whose GPU faulted (on the idle lane, say) is refused, and the request's hold on its
+    variant is let go, as a full queue's or a draining engine's refusal does."""
+    from clef_cuda.serving.engine import EngineStoppedError, QueueFullError
+    from clef_cuda.serving.guarded_ops import KernelFault
+
+    d = decider()
+    registry = AdapterRegistry(d.config, d.trunk.lm_head, d.trunk.dtype)
+    registry.load("tuned", checkpoint("all"))
+    engine = Engine(d, EngineConfig(max_model_len=4096, kv_fraction=0.05, max_queue=0), registry)
+    with pytest.raises(QueueFullError):
+        engine.submit(SHORT | {"model": "tuned"})
+    engine.kernel_fault = KernelFault("silu_mul:cuda", "CUDA error: an illegal memory access was encountered")
+    with pytest.raises(EngineStoppedError):
+        engine.submit(SHORT | {"model": "tuned"})
+    assert registry.get("tuned").users == 0
+
+
+def test_enforcement_is_in_proportion_a_probability_just_past_its_tolerance_is_marginal(caplog):
+    """Probabilities past their tolerance with every layer's fingerprint matched: up to 10x it, marginal (a warning
+    and a count; /ready stays 200); three marginals in twenty verdicts, or probabilities 10x past, or any layer past
+    its own tolerance: a mismatch, which enforce mode turns into /ready 503 at --shadow-max-mismatches."""
+    from clef_cuda.serving.shadow import MARGINAL_FACTOR, LayerCheck, ShadowResult, ShadowVerifier
+
+    record = SimpleNamespace(questions=[], num_tokens=10)
+    sample = SimpleNamespace(request_id="r", record=record, adapter=None, request={"questions": {}}, served=[])
+
+    def verdict(verifier, dp, layers=()):
+        verifier._judge(ShadowResult(sample, [], dp, "q", list(layers)))
+        return verifier.stats, verifier.failure
+
+    verifier = ShadowVerifier(ShadowConfig(rate=1.0), torch.float32, lambda adapter: None, depth=4)
+    tolerance = verifier.tolerance
+    with caplog.at_level(logging.WARNING, logger="clef_cuda.serving.shadow"):
+        stats, failure = verdict(verifier, 2 * tolerance)
+    assert (stats.marginal, stats.mismatch, failure) == (1, 0, None) and "marginal" in caplog.text
+    for _ in range(5):
+        verdict(verifier, tolerance / 2)
+    stats, failure = verdict(verifier, 3 * tolerance)
+    assert (stats.marginal, stats.mismatch, failure) == (2, 0, None)
+    stats, failure = verdict(verifier, 3 * tolerance)  # the third in twenty: a pattern, one mismatch
+    assert (stats.marginal, stats.mismatch) == (3, 1) and "marginal difference" in failure
+
+    far = ShadowVerifier(ShadowConfig(rate=1.0), torch.float32, lambda adapter: None, depth=4)
+    stats, failure = verdict(far, 1.01 * MARGINAL_FACTOR * far.tolerance)
+    assert (stats.marginal, stats.mismatch) == (0, 1) and "the head" in failure
+    layer = ShadowVerifier(ShadowConfig(rate=1.0), torch.float32, lambda adapter: None, depth=4)
+    drifted = LayerCheck(2, "MLP", error=2e-4, tolerance=1e-4)  # twice its tolerance, probabilities all but equal
+    stats, failure = verdict(layer, 0.0, [drifted])
+    assert (stats.marginal, stats.mismatch) == (0, 1) and "layer 2 (MLP)" in failure
