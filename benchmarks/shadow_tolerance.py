@@ -6,6 +6,7 @@ roundoff, each layer's roundings and the depth: clef_cuda.serving.shadow) must h
 margin. Table last.
 
     python benchmarks/shadow_tolerance.py --records 60
+    python benchmarks/shadow_tolerance.py --releases test-mix --records 200      # the healthy test's records
     python benchmarks/shadow_tolerance.py --device cuda --dtypes f16,bf16 --gate
 
 --gate exits 1 when a healthy record differs by more than a tolerance (scripts/gpu_check.sh checks they hold
@@ -31,6 +32,19 @@ DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def requests_for(release: str, count: int) -> list[dict]:
+    if release == "test-mix":  # tests/test_shadow.py's healthy records: an image every 10th, a variant every 4th
+        from images import data_url, png
+        from random_requests import random_request
+
+        rng, requests = random.Random(5), []
+        for i in range(count):
+            request = random_request(rng, null_score_levels=False, state_words=(3, 120)) | {"model": "clef-flash"}
+            if i % 10 == 3:
+                request["images"] = [data_url(png(64 + i, 48, i))]
+            if i % 4 == 1:
+                request["model"] = "tuned"
+            requests.append(request)
+        return requests
     if release == "clef-tiny":
         from training import evaluate
 
@@ -48,7 +62,7 @@ def decide_each_and_wait(engine, requests: list[dict], timeout: float = 300):
     for done, request in enumerate(requests, 1):
         engine.decide(request, timeout=timeout)
         deadline = time.monotonic() + timeout
-        while stats.match + stats.mismatch + stats.dropped < done and time.monotonic() < deadline:
+        while stats.match + stats.marginal + stats.mismatch + stats.dropped < done and time.monotonic() < deadline:
             time.sleep(0.002)
     return stats
 
@@ -62,7 +76,15 @@ def measure(release_path: Path, requests: list[dict], device: str, dtype: torch.
 
     decider = Decider.from_release(release_path, device=device, dtype=dtype, progress=False)
     config = EngineConfig(max_model_len=8192, kv_fraction=0.05, shadow=ShadowConfig(rate=1.0, mode="warn"))
-    engine = Engine(decider, config)
+    registry = None
+    if any(r.get("model") == "tuned" for r in requests):  # the test mix's LoRA variant
+        from adapter_fixtures import checkpoint
+
+        from clef_cuda.model.adapters import AdapterRegistry
+
+        registry = AdapterRegistry(decider.config, decider.trunk.lm_head, decider.trunk.dtype)
+        registry.load("tuned", checkpoint("all"))
+    engine = Engine(decider, config, registry)
     engine.start()
     try:
         stats = decide_each_and_wait(engine, requests)
@@ -77,6 +99,12 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtypes", default="f32,f16,bf16")
     parser.add_argument("--records", type=int, default=60)
+    parser.add_argument(
+        "--releases",
+        default="upstream-tiny,mid,clef-tiny",
+        help="upstream-tiny, mid, clef-tiny, or test-mix (tests/test_shadow.py's records: the upstream tiny release, "
+        "an image every 10th record, a LoRA variant every 4th)",
+    )
     parser.add_argument("--gate", action="store_true", help="exit 1 if a healthy record exceeds the tolerance")
     args = parser.parse_args()
     from releases import mid_release, tiny_release
@@ -93,7 +121,8 @@ def main() -> int:
         unit_roundoff,
     )
 
-    releases = {"upstream-tiny": tiny_release, "mid": mid_release, "clef-tiny": default_release}
+    known = {"upstream-tiny": tiny_release, "mid": mid_release, "clef-tiny": default_release, "test-mix": tiny_release}
+    releases = {name: known[name] for name in args.releases.split(",")}
     rows, layer_rows = [], []
     for name, build in releases.items():
         requests = requests_for(name, args.records)

@@ -50,7 +50,7 @@ def engine_with(d: Decider, registry=None, **shadow) -> Engine:
 
 def verdicts(engine: Engine) -> int:
     s = engine.shadow.stats
-    return s.match + s.mismatch + s.dropped
+    return s.match + s.marginal + s.mismatch + s.dropped
 
 
 def shadow_metrics(client) -> dict[str, float]:

@@ -107,7 +107,7 @@ def serve(
             probabilities.append(list(seen))
         # With the shadow on (at rate 1 in these tests), every record's verdict before the engine stops.
         stats, deadline = engine.shadow.stats, time.monotonic() + 300
-        while shadow.enabled and stats.match + stats.mismatch + stats.dropped < len(requests):
+        while shadow.enabled and stats.match + stats.marginal + stats.mismatch + stats.dropped < len(requests):
             assert time.monotonic() < deadline, stats
             time.sleep(0.05)
         return bodies, probabilities, engine

@@ -60,7 +60,8 @@ import torch
 
 from clef_cuda.errors import ClefError
 from clef_cuda.serving.children import START_TIMEOUT_S, Child, ChildFailed, die_with_parent, reap_all, wait_for
-from clef_cuda.serving.cuda_errors import first_line
+from clef_cuda.serving.cuda_errors import STICKY, classify, first_line
+from clef_cuda.serving.guarded_ops import KernelFault
 
 log = logging.getLogger("clef_cuda.serving.tensor_parallel")
 
@@ -283,14 +284,14 @@ class TensorParallel:
         threading.Thread(target=self._watch, name="clef-tp-watch", daemon=True).start()
 
     def join(self, device: torch.device) -> None:
-        """Wait for every worker's report (loaded, self-checked), then rendezvous; TensorParallelLost (every
+        """Wait for every worker's report (its shard loaded), then rendezvous; TensorParallelLost (every
         worker reaped) if one failed, died, or did not report within the start budget. A worker loading as
         slowly as rank 0 did is not failed for it: the budget runs to START_TIMEOUT_S after the launch or
         RENDEZVOUS_TIMEOUT_S after rank 0 finished loading, whichever is later."""
         deadline = max(self._launched + START_TIMEOUT_S, time.monotonic() + RENDEZVOUS_TIMEOUT_S)
         try:
             for worker, channel in zip(self.workers, self.channels, strict=True):
-                wait_for(lambda c=channel: c.poll(), [worker], deadline, "ready (loaded, self-checked)")
+                wait_for(lambda c=channel: c.poll(), [worker], deadline, "ready (its shard loaded)")
                 status, detail = self._receive(channel, worker)
                 if status != "ready":
                     raise ChildFailed(f"{worker.name} failed to start: {detail}")
@@ -350,8 +351,6 @@ class TensorParallel:
 
     def _reported_fault(self, worker: Child, channel: Connection):
         """The sticky CUDA fault a dead worker reported on its way out, if it did (its last message)."""
-        from clef_cuda.serving.guarded_ops import KernelFault
-
         with self._read_lock:
             try:
                 while channel.poll(0):
@@ -391,6 +390,8 @@ class TensorParallel:
         except TensorParallelLost:
             raise
         except Exception as raised:  # rank 0's part failed: the others finish the call, then it fails here
+            if classify(raised) == STICKY or isinstance(raised, KernelFault):
+                raise  # no collective can run on this device again: the server records the kernel and exits
             error = raised
             collectives.drain()
         if error is None:
@@ -419,8 +420,6 @@ class TensorParallel:
                 if self.on_kernel_failed is not None:
                     self.on_kernel_failed(kernel, f"{why} (on {worker.name})")
             if status == "fault":  # a sticky CUDA fault: the worker exits; the server records the kernel
-                from clef_cuda.serving.guarded_ops import KernelFault
-
                 kernel, text = detail
                 fault = KernelFault(kernel, f"{text} (on {worker.name})")
                 self.mark_lost(f"{worker.name}: {fault}", fault)
