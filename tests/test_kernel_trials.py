@@ -340,3 +340,45 @@ def test_the_server_starts_on_the_gpu_after_its_kernel_trials(tmp_path):
     assert ready["autotune"]["trials"] == "child" and ready["autotune"]["failures"] == {}, ready["autotune"]
     assert ready["selfcheck"]["passed"], ready["selfcheck"]
     assert answer.status_code == 200 and answer.json()["answers"]["last_failure"]["choice"] == "queue"
+
+
+def test_an_autotune_that_raises_still_leaves_the_fault_handler_wired_and_the_ops_guarded(monkeypatch):
+    """The autotune raising (a bug, a disk error) is logged and the server serves on the dispatch rule's kernels,
+    but never unguarded: a sticky fault later still stops the engine and reaches the server's handler (exit 4),
+    instead of a black-hole pod whose /ready stays 200."""
+    from fastapi.testclient import TestClient
+
+    from app import server as server_module
+    from app.server import ServerSettings, create_app
+    from clef_cuda.serving.engine import Engine
+
+    def broken(*args, **kwargs):
+        raise OSError("the autotune cache's disk is gone (test-only)")
+
+    monkeypatch.setattr(server_module, "autotune", broken)
+    decider = Decider.from_release(tiny_release(), device="cpu", progress=False)
+    engine = Engine(decider, CONFIG)
+    with TestClient(create_app(ServerSettings(autotune="fast"), engine=engine)) as client:
+        assert client.get("/ready").status_code == 200
+        assert isinstance(decider.trunk.ops, GuardedOps) and engine.on_kernel_fault is not None
+        handled = []
+        monkeypatch.setattr(engine, "on_kernel_fault", handled.append)
+        decider.trunk.ops.base = OpFaultSticky()
+        response = client.post("/v1/systemone", json=README_EXAMPLE | {"model": "clef-flash"})
+        assert response.status_code == 503 and "CUDA fault in rms_norm_rope" in response.json()["detail"]["message"]
+    assert [fault.kernel for fault in handled] == ["rms_norm_rope:cpu"]
+
+
+class OpFaultSticky:
+    """clef_cuda.ops with rms_norm_rope raising the error a sticky CUDA fault raises."""
+
+    def __getattr__(self, name):
+        from clef_cuda import ops
+
+        if name == "rms_norm_rope":
+
+            def sticky(*args, **kwargs):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+            return sticky
+        return getattr(ops, name)
