@@ -129,10 +129,10 @@ class Server:
             s = body["shadow"]
             parts.append(f"shadow {s['match']}/{s.get('marginal', 0)}/{s['mismatch']}/{s['dropped']}")
         autotune = body.get("autotune") or {}
-        if autotune.get("failures"):
-            parts.append(f"{len(autotune['failures'])} kernel(s) failed")
         if str(autotune.get("trials", "")).startswith("unavailable"):
-            parts.append("trials unavailable")
+            parts.append(f"trials unavailable ({len(autotune.get('failures', {}))} kept off)")
+        elif autotune.get("failures"):
+            parts.append(f"{len(autotune['failures'])} kernel(s) failed")
         return ", ".join(parts) or "-"
 
     def verdicts(self) -> int:
@@ -403,13 +403,13 @@ def main() -> int:
     print(f"(--tensor-parallel-timeout {TP_TIMEOUT_S:g}s; 'seconds': to the 503 or the exit, or to the next answer;")
     print(" '/ready says': the shadow's verdicts match/marginal/mismatch/dropped, the kernels failed)")
     header = f"{'fault':52s} {'tp':>2s} {'failing':>8s} {'next':>8s} {'/ready':>6s} {'exit':>4s} {'seconds':>7s}"
-    print(f"{header} {'same':>4s} {'leaked':>7s}  {'/ready says':34s} verdict")
+    print(f"{header} {'same':>4s} {'leaked':>7s}  {'/ready says':50s} verdict")
     for r in rows:
         seconds = f"{r.seconds:7.1f}" if r.seconds is not None else f"{'-':>7s}"
         verdict = "ok" if not r.problems else "FAIL: " + "; ".join(r.problems)
         print(
             f"{r.what[:52]:52s} {r.tp:>2d} {r.failing[:8]:>8s} {r.following[:8]:>8s} {r.ready:>6s} {r.exit_code:>4s} "
-            f"{seconds} {r.same_answer:>4s} {r.leaked[:7]:>7s}  {r.evidence[:34]:34s} {verdict}"
+            f"{seconds} {r.same_answer:>4s} {r.leaked[:7]:>7s}  {r.evidence[:50]:50s} {verdict}"
         )
     return 1 if args.check and any(r.problems for r in rows) else 0
 
