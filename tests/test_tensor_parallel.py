@@ -39,6 +39,11 @@ WORKER_FAULTS = str(ROOT / "tests" / "tp_worker_faults.py")
 TP_BOUND = 1e-5  # |p_TP - p_one device| in fp32: the partial sums add in another order, nothing else differs
 
 
+def worst_difference(a: list, b: list) -> float:
+    """max |p - q| over every option of every question of every request (capture_answers' lists)."""
+    return max(abs(p[o] - q[o]) for x, y in zip(a, b, strict=True) for p, q in zip(x, y, strict=True) for o in p)
+
+
 def nbytes(weights: dict) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values() if isinstance(t, torch.Tensor))
 
@@ -122,12 +127,7 @@ def test_tensor_parallel_answers_equal_one_device(monkeypatch, size, release):
     one, p_one, _ = serve(release(), 1, requests, seen)
     many, p_many, engine = serve(release(), size, requests, seen)
     assert engine.prefix_cache.hits > 0  # the repeats were restored from snapshots, on every rank
-    worst = max(
-        abs(p[option] - q[option])
-        for x, y in zip(p_one, p_many, strict=True)
-        for p, q in zip(x, y, strict=True)
-        for option in p
-    )
+    worst = worst_difference(p_one, p_many)
     assert worst <= TP_BOUND, worst
     # The rounded answers: the one-device ones, but for a value within TP_BOUND of a rounding boundary.
     for ours, theirs, unrounded in zip(many, one, p_one, strict=True):
@@ -201,12 +201,7 @@ def test_a_step_that_fails_on_any_rank_fails_on_every_rank_and_the_group_serves_
             engine.decide(request, timeout=120)
             probabilities.append(list(seen))
         assert engine.failed == 1 and engine.kernel_fault is None and decider.trunk.peers.lost is None
-        worst = max(
-            abs(p[o] - q[o])
-            for x, y in zip(p_one, probabilities, strict=True)
-            for p, q in zip(x, y, strict=True)
-            for o in p
-        )
+        worst = worst_difference(p_one, probabilities)
         assert worst <= TP_BOUND, worst
         no_leak(engine)
     finally:
@@ -235,12 +230,7 @@ def test_int8_shards_stay_within_the_int8_bound(monkeypatch):
     requests = corpus()[:4]
     _, p_f32, _ = serve(tiny_release(), 1, requests, seen)
     _, p_int8, _ = serve(tiny_release(), 2, requests, seen, quantize="int8")
-    worst = max(
-        abs(p[option] - q[option])
-        for x, y in zip(p_f32, p_int8, strict=True)
-        for p, q in zip(x, y, strict=True)
-        for option in p
-    )
+    worst = worst_difference(p_f32, p_int8)
     assert 0 < worst <= INT8_BOUNDS[("upstream-tiny", "f32")], worst
 
 
