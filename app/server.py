@@ -3,8 +3,9 @@ and /metrics. Routes validate and translate; the engine (clef_cuda.serving.engin
 
 Every error a client can cause is a 4xx in the contract's shape: 422 `{"detail": [{"loc", "msg", "type"}]}`
 for an invalid body, `{"detail": {"error_type", "message"}}` for the rest. Only the server's own faults
-are 5xx (503 while loading, draining, overloaded or after a failed on-device self-check, with
-Retry-After; 500 for a numerical overflow).
+are 5xx, in the same shape and counted (503 with Retry-After while loading, draining, overloaded, after a
+failed on-device self-check, for a step out of device memory or failed on a tensor-parallel rank, and on a
+lost rank or GPU fault before the process exits; 500 for a numerical overflow or anything else of ours).
 
 With an API key, every /v1 route needs it (RequireKeyOnV1, so a route added later cannot forget it);
 /health, /ready and /metrics stay open for probes and scrapers. No response names a server path: the

@@ -151,7 +151,7 @@ class Decider:
                 from clef_cuda.model.shard import local_config
 
                 trunk = Trunk(local_config(config.trunk, shard.size), weights.trunk, dtype, ops=ops)
-                tensor_parallel.join(device)  # every rank loaded and self-checked, then the group forms
+                tensor_parallel.join(device)  # every rank has loaded its shard, then the group forms
                 tensor_parallel.attach(trunk)
         except BaseException:
             if shard is not None:
