@@ -90,7 +90,8 @@ def wait_for(
         if remaining <= 0:
             waited = time.monotonic() - min((c.started for c in children), default=time.monotonic())
             raise ChildFailed(f"{', '.join(c.name for c in children)} not {what} after {waited:.0f} s")
-        time.sleep(min(poll, remaining))
+        if poll > 0:  # (a ready() that itself waits a slice, as a channel's poll(timeout) does, passes poll=0)
+            time.sleep(min(poll, remaining))
 
 
 def reap_all(children: Sequence[Child], grace: float = 10.0) -> None:

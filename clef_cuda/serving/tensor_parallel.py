@@ -59,7 +59,15 @@ from types import SimpleNamespace
 import torch
 
 from clef_cuda.errors import ClefError
-from clef_cuda.serving.children import START_TIMEOUT_S, Child, ChildFailed, die_with_parent, reap_all, wait_for
+from clef_cuda.serving.children import (
+    POLL_S,
+    START_TIMEOUT_S,
+    Child,
+    ChildFailed,
+    die_with_parent,
+    reap_all,
+    wait_for,
+)
 from clef_cuda.serving.cuda_errors import STICKY, classify, first_line
 from clef_cuda.serving.guarded_ops import KernelFault
 
@@ -291,7 +299,7 @@ class TensorParallel:
         deadline = max(self._launched + START_TIMEOUT_S, time.monotonic() + RENDEZVOUS_TIMEOUT_S)
         try:
             for worker, channel in zip(self.workers, self.channels, strict=True):
-                wait_for(lambda c=channel: c.poll(), [worker], deadline, "ready (its shard loaded)")
+                wait_for(lambda c=channel: c.poll(POLL_S), [worker], deadline, "ready (its shard loaded)", poll=0.0)
                 status, detail = self._receive(channel, worker)
                 if status != "ready":
                     raise ChildFailed(f"{worker.name} failed to start: {detail}")
@@ -411,7 +419,8 @@ class TensorParallel:
         self.answered = []
         for worker, channel in zip(self.workers, self.channels, strict=True):
             try:
-                wait_for(channel.poll, [worker], deadline, "done with the call")
+                # channel.poll(POLL_S) returns the moment the answer is there; between slices, the worker's liveness
+                wait_for(lambda c=channel: c.poll(POLL_S), [worker], deadline, "done with the call", poll=0.0)
                 status, detail, news = self._receive(channel, worker)
             except ChildFailed as error:
                 self.mark_lost(str(error))
