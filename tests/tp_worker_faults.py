@@ -20,9 +20,13 @@ Nothing in clef_cuda or app imports this."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # loaded by path in a worker: tests/ for faults.py
+from faults import OpFault  # noqa: E402
 
 FAULT_ENV, ARMED_ENV = "CLEF_TEST_TP_FAULT", "CLEF_TEST_TP_FAULT_ARMED"
 
@@ -39,28 +43,35 @@ def _armed(once: bool) -> bool:
     return True
 
 
-class FaultyOps:
-    """`base` (clef_cuda.ops) with the fault FAULT_ENV names."""
+def _once(raise_or_break):
+    """broken(original, *args, **kwargs) for OpFault: raise_or_break(out) when armed (once), else the original."""
+    return lambda original, *a, **k: raise_or_break(original(*a, **k)) if _armed(once=True) else original(*a, **k)
 
-    def __init__(self, base, fault: str) -> None:
-        self.base, self.fault = base, fault
 
-    def __getattr__(self, name: str):
-        original = getattr(self.base, name)
-        fault = self.fault
-        if name == "silu_mul" and fault == "oom_once_when_armed":
-            return lambda *a, **k: _raise_oom() if _armed(once=True) else original(*a, **k)
-        if name == "silu_mul" and fault == "overflow_once_when_armed":
-            return lambda *a, **k: original(*a, **k).mul_(float("inf")) if _armed(once=True) else original(*a, **k)
-        if name == "silu_mul" and fault == "hang_when_armed":
-            return lambda *a, **k: time.sleep(3600) if _armed(once=False) else original(*a, **k)
-        if name == "silu_mul" and fault == "launch_when_armed":
-            return lambda *a, **k: _raise_launch() if _armed(once=False) else original(*a, **k)
-        if name == "rms_norm_rope" and fault == "sticky_when_armed":
-            return lambda *a, **k: _raise_sticky() if _armed(once=False) else original(*a, **k)
-        if name == "paged_attention" and fault == "attention_scaled_long":
-            return lambda *a, **k: original(*a, **k).mul_(1.5 if int(a[4].max()) > 256 else 1.0)
-        return original
+def _while_armed(action):
+    return lambda original, *a, **k: action() if _armed(once=False) else original(*a, **k)
+
+
+# fault -> (the op it breaks, how: OpFault's broken(original, *args, **kwargs))
+FAULTS = {
+    "oom_once_when_armed": ("silu_mul", _once(lambda out: _raise_oom())),
+    "overflow_once_when_armed": ("silu_mul", _once(lambda out: out.mul_(float("inf")))),
+    "hang_when_armed": ("silu_mul", _while_armed(lambda: time.sleep(3600))),
+    "launch_when_armed": ("silu_mul", _while_armed(lambda: _raise_launch())),
+    "sticky_when_armed": ("rms_norm_rope", _while_armed(lambda: _raise_sticky())),
+    "attention_scaled_long": (
+        "paged_attention",
+        lambda original, *a, **k: original(*a, **k).mul_(1.5 if int(a[4].max()) > 256 else 1.0),
+    ),
+}
+
+
+def faulty_ops(base, fault: str):
+    """`base` (clef_cuda.ops) with the fault FAULTS names (tests/faults.py's OpFault); `base` itself for any other."""
+    if fault not in FAULTS:
+        return base
+    op, broken = FAULTS[fault]
+    return OpFault(op, broken, base)
 
 
 def _raise_oom():
@@ -82,10 +93,10 @@ def worker_ops(rank: int, base):
         time.sleep(3600)
     if fault == "exit_at_start":
         os._exit(9)
-    return FaultyOps(base, fault)
+    return faulty_ops(base, fault)
 
 
 def rank0_ops(fault: str, base=None):
     from clef_cuda import ops
 
-    return FaultyOps(base or ops, fault)
+    return faulty_ops(base or ops, fault)
