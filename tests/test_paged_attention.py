@@ -23,10 +23,11 @@ SEQUENCES = {
     "sim": [(9, 9), (3, 40), (1, 17)],
 }
 # (Hq, Hkv, D, block_size)
+# clef-flash's 16 / 4 x 256, and clef 27B's GQA 6 (24 / 4 x 256; 12 / 2 a rank at TP=2, 6 / 1 at TP=4).
 HEADS = {
-    "cpu": [(16, 4, 256, 16), (8, 8, 64, 32), (4, 2, 128, 16), (6, 2, 24, 8)],
-    "cuda": [(16, 4, 256, 16), (8, 8, 64, 32), (4, 2, 128, 16), (8, 1, 16, 8)],
-    "sim": [(4, 1, 256, 16), (4, 2, 64, 8), (2, 2, 16, 4)],
+    "cpu": [(16, 4, 256, 16), (8, 8, 64, 32), (4, 2, 128, 16), (6, 2, 24, 8), (12, 2, 256, 16)],
+    "cuda": [(16, 4, 256, 16), (8, 8, 64, 32), (4, 2, 128, 16), (8, 1, 16, 8), (24, 4, 256, 16), (6, 1, 256, 16)],
+    "sim": [(4, 1, 256, 16), (4, 2, 64, 8), (2, 2, 16, 4), (6, 1, 32, 4)],
 }
 # The tensor-core kernel's head dims, with GQA 4, 2, 1 and 8 or 16 (64-row tiles of 16, 32, 64 and 8 or 4
 # tokens); in the simulator a chunk after a cached prefix that spans two query tiles and three key tiles.
@@ -285,6 +286,7 @@ def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
     assert dispatch(q_lens=(1, 1, 1), contexts=(40, 17, 1)) == "simt"
     assert dispatch(hq=2, hkv=2, d=128, q_lens=(16,), contexts=(16,)) == "wmma"
     assert dispatch(hq=12, hkv=1, d=64) == "simt"  # GQA 12 does not divide the 64-row tile
+    assert dispatch(hq=6, hkv=1, d=256) == "simt"  # nor does clef 27B's GQA 6
     assert dispatch(wide=1) == "simt"  # a query view 2 bytes off 16-byte alignment
     assert dispatch(kernel="simt") == "simt" and dispatch(q_lens=(1,), contexts=(9,), kernel="wmma") == "wmma"
     with pytest.raises(ValueError, match="f16 or bf16"):

@@ -60,8 +60,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedA
   static_assert((kAttnRows * D) % kAttnThreads == 0, "output tile must split evenly over the threads");
   static_assert(KEYS % kAttnRowLanes == 0 && KEYS <= kAttnThreads, "a key tile must split over a row's lanes");
 
-  const int group = p.num_q_heads / p.num_kv_heads;  // divides kAttnRows (checked by the host entry)
+  // At most kAttnRows (checked by the host entry). A group that does not divide the tile (GQA 6: 2 tokens, 12
+  // rows) leaves its last kAttnRows - live_rows rows dead: no query, no key, no output.
+  const int group = p.num_q_heads / p.num_kv_heads;
   const int tile_tokens = kAttnRows / group;
+  const int live_rows = tile_tokens * group;
   const int kv_head = blockIdx.y;
   const int b = blockIdx.z;
   const AttnSeq s = attn_sequence(p, b);
@@ -83,12 +86,13 @@ __global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedA
   T* out = static_cast<T*>(p.out);
   const int tid = threadIdx.x;
 
-  // Row r of the tile is query token q0 + r / group, query head kv_head * group + r % group.
+  // Row r < live_rows of the tile is query token q0 + r / group, query head kv_head * group + r % group.
   for (int e = tid; e < kAttnRows * D; e += kAttnThreads) {
     const int r = e / D, d = e % D;
     const int qi = q0 + r / group;
     const int head = kv_head * group + r % group;
-    q_s[r * QS + d] = qi < s.q_len ? to_f32(query[attn_query_offset(s.q_start + qi, head, p) + d]) * p.scale : 0.0f;
+    const bool row = r < live_rows && qi < s.q_len;
+    q_s[r * QS + d] = row ? to_f32(query[attn_query_offset(s.q_start + qi, head, p) + d]) * p.scale : 0.0f;
   }
   // Keys this tile may need: up to the causal position of its last token.
   const int kv_end = attn_query_position(s, min_int(q0 + tile_tokens, s.q_len) - 1) + 1;
@@ -97,7 +101,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedA
   const int sr = tid / kAttnRowLanes;
   const int sl = tid % kAttnRowLanes;
   const int s_qi = q0 + sr / group;
-  const int s_pos = s_qi < s.q_len ? attn_query_position(s, s_qi) : -1;
+  const int s_pos = sr < live_rows && s_qi < s.q_len ? attn_query_position(s, s_qi) : -1;
   float m_run = kNegInf, l_run = 0.0f;
   float acc[OUT_PER_THREAD];
 #pragma unroll
@@ -162,7 +166,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedA
     const int e = tid + kAttnThreads * i;
     const int r = e / D, d = e % D;
     const int qi = q0 + r / group;
-    if (qi >= s.q_len) continue;
+    if (r >= live_rows || qi >= s.q_len) continue;
     const int head = kv_head * group + r % group;
     // A row that saw no key (only possible with inconsistent metadata) is written as zeros.
     const float value = l_s[r] > 0.0f ? acc[i] / l_s[r] : 0.0f;

@@ -95,7 +95,7 @@ template <typename T>
 static const char* launch_for_head_dim(const PagedAttentionParams& p, AttentionDevice device, cudaStream_t stream) {
   if (p.batch == 0 || p.num_tokens == 0) return nullptr;
   if (!paged_attention_cuda_supports_group(p.num_q_heads / p.num_kv_heads))
-    return "the SIMT kernel needs num_q_heads / num_kv_heads to divide its 16-row tile";
+    return "the SIMT kernel takes at most 16 query heads a KV head (its 16-row tile)";
   const int keys = CLEF_FAULT(attention_ignores_smem_limit, paged_attention_simt_keys(p.head_dim, device.smem_limit),
                               paged_attention_simt_key_options(p.head_dim, 0));
   switch (p.head_dim * 1000 + keys) {

@@ -163,7 +163,7 @@ PagedAttentionParams attention_params(const at::Tensor& query, const at::Tensor&
     TORCH_CHECK_VALUE(paged_attention_cuda_supports_head_dim(static_cast<int>(head_dim)), op,
                       ": the CUDA kernels are compiled for head_dim 16, 32, 64, 128 and 256, got ", head_dim);
     TORCH_CHECK_VALUE(paged_attention_cuda_supports_group(static_cast<int>(num_q_heads / num_kv_heads)), op,
-                      ": the CUDA kernels need num_q_heads / num_kv_heads to divide 16, got ", num_q_heads / num_kv_heads);
+                      ": the CUDA kernels take at most 16 query heads a KV head, got ", num_q_heads / num_kv_heads);
   }
 
   PagedAttentionParams p;

@@ -397,9 +397,11 @@ class Launch {
     last_launch_smem = static_cast<int64_t>(smem_);
     blockDim = block_;
     gridDim = grid_;
+    // A GPU runs a grid's blocks in any order: the last x first here, so a block that writes what a later
+    // block owns (its dead rows into the next tile's token, say) is caught, not overwritten by the owner.
     for (unsigned bz = 0; bz < grid_.z; ++bz)
       for (unsigned by = 0; by < grid_.y; ++by)
-        for (unsigned bx = 0; bx < grid_.x; ++bx) run_block(uint3{bx, by, bz}, threads, args...);
+        for (unsigned bx = grid_.x; bx-- > 0;) run_block(uint3{bx, by, bz}, threads, args...);
   }
 
  private:
