@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -146,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--served-model-name",
         default=None,
-        help="the model name clients send (default: clef-flash; clef-tiny for the embedded demo model)",
+        help="the model name clients send (default: the release's, clef for clef 27B and clef-flash otherwise; "
+        "clef-tiny for the embedded demo model)",
     )
     p.add_argument("--confidence", choices=["clef", "typesafe"], default="clef")
     p.add_argument(
@@ -476,7 +478,7 @@ def make_plan(args, quantize: str | None = None, vocab_tables: str | None = None
 
     from clef_cuda.model.adapters import adapter_pool_bytes
     from clef_cuda.model.config import load_release_config
-    from clef_cuda.serving.plan import parse_memory_size, plan_serving
+    from clef_cuda.serving.plan import parse_memory_size, plan_serving, plan_tensor_parallel
 
     device = resolve_device(args.device)
     context_counted = True
@@ -496,18 +498,19 @@ def make_plan(args, quantize: str | None = None, vocab_tables: str | None = None
         device_bytes, on_gpu, where = psutil.virtual_memory().available, False, "available host memory"
     dtype = getattr(torch, DTYPES[args.dtype or ("f16" if on_gpu else "f32")])
     config = load_release_config(args.weights)
-    if args.tensor_parallel_size > 1:  # rank 0's share, the most any rank holds (it alone has the tables, tower, head)
-        from dataclasses import replace
-
-        from clef_cuda.model.shard import local_config
-
-        config = replace(config, trunk=local_config(config.trunk, args.tensor_parallel_size))
     reserved = 0
     if args.adapters or args.enable_adapter_loading:  # the pool the registry will reserve
         head_dtype = getattr(torch, DTYPES[args.adapter_head_dtype])
         reserved = adapter_pool_bytes(config, dtype, args.max_adapters, args.max_adapter_rank, head_dtype)
     tables = vocab_tables or (args.vocab_tables if args.vocab_tables != "auto" else "device")
-    plan = plan_serving(
+    if args.tensor_parallel_size > 1:  # every rank's plan, on cards like this one
+        from clef_cuda.model.shard import check_shardable
+
+        check_shardable(config.trunk, args.tensor_parallel_size)
+        planner = functools.partial(plan_tensor_parallel, ranks=args.tensor_parallel_size)
+    else:
+        planner = plan_serving
+    plan = planner(
         args.weights,
         config,
         engine_config(args),
@@ -554,11 +557,6 @@ def check_plan(args, log) -> int | None:
             hints.append(("--quantize int8" + (" --vocab-tables host" if int8.vocab_tables == "host" else ""), int8))
     hint = f" (with {hints[0][0]} it fits)" if hints else ""
     if args.plan:
-        if args.tensor_parallel_size > 1:
-            print(
-                f"tensor parallel: rank 0 of {args.tensor_parallel_size}, on each card as given (the other ranks "
-                "hold the same trunk shard and cache, without the vocabulary tables, vision tower and head)"
-            )
         print(plan.describe())
         for flags, other in hints:
             print(f"  {flags} would fit: {other.summary()}")
@@ -604,13 +602,19 @@ def check_adapters(args, release) -> None:
             )
 
 
-def served_model_name(args: argparse.Namespace) -> str:
-    """--served-model-name if given; else clef-flash for a release given with --w, clef-tiny without."""
-    if args.served_model_name:
-        return args.served_model_name
-    from clef_cuda.model.default_model import NAME
+def served_model(args: argparse.Namespace) -> tuple[str, str]:
+    """(the name clients send, the description /v1/models gives): the release's Clef family name (clef for clef
+    27B, clef-flash otherwise: clef_cuda.model.config.family_of), or clef-tiny without --w; --served-model-name
+    overrides the name. A path never appears in either."""
+    from clef_cuda.model.config import family_of, load_release_config
 
-    return "clef-flash" if args.weights is not None else NAME
+    if args.weights is None:
+        from clef_cuda.model.default_model import NAME
+
+        name, description = NAME, "EMBEDDED DEMO MODEL clef-tiny: trained on synthetic tickets, logs and orders"
+    else:
+        name, description = family_of(load_release_config(args.weights))
+    return args.served_model_name or name, description
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -626,13 +630,15 @@ def main(argv: list[str] | None = None) -> int:
     from clef_cuda.model.config import load_release_config
     from clef_cuda.model.weights import check_not_prequantized
 
-    args.served_model_name = served_model_name(args)  # before --w is filled in with the embedded model
     # Fail fast, in one line, on what can be checked before the (slow) load.
     try:
         import clef_cuda.ops  # noqa: F401  (applies CLEF_CPU_ISA: ValueError for a variant this CPU lacks)
 
         resolve_device(args.device)
         resolve_dtype(args, log)
+        if args.weights is not None and not Path(args.weights).is_dir():
+            raise ValueError(f"--w {args.weights}: not a directory (expected a Clef release)")
+        args.served_model_name, description = served_model(args)  # before --w is filled in with the embedded model
         if args.weights is None:
             from clef_cuda.model import default_model
 
@@ -640,14 +646,9 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("!" * 100)
             log.warning(default_model.NOTICE)
             log.warning("!" * 100)
-            description = "EMBEDDED DEMO MODEL clef-tiny: trained on synthetic tickets, logs and orders"
-        else:
-            if not Path(args.weights).is_dir():
-                raise ValueError(f"--w {args.weights}: not a directory (expected a clef-flash release)")
-            description = "clef-flash System One decision model"  # never where it lives (a server path)
         check_adapters(args, load_release_config(args.weights))
         check_tensor_parallel(args, load_release_config(args.weights), log)
-        check_not_prequantized(args.weights)
+        check_not_prequantized(args.weights, load_release_config(args.weights).fp8_block_size)
         planned = check_plan(args, log)
     except (ValueError, ImportError, ReleaseError, AdapterError) as error:
         parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")

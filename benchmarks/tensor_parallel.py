@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Tensor parallel: TP=2 against TP=1 decision latency on the CPU (gloo; both ranks share this machine's cores,
-so on 2 cores this is a correctness run, not a speed-up), the bytes each rank all-reduces and broadcasts per
-token (counted in the run, and from the formula), and what that traffic costs clef-flash on two V100-16GB over
-PCIe and over NVLink, against the step's compute. Tables last.
+so on 2 cores this is a correctness run, not a speed-up), the bytes each rank all-reduces per token (counted in
+the run, and from the formula), and what that traffic costs clef-flash on two V100-16GB over PCIe and over
+NVLink, against the step's compute. Tables last.
 
     python benchmarks/tensor_parallel.py --requests 12 --rounds 3
 """
@@ -27,10 +27,10 @@ NVLINK_V100 = 45e9  # B/s: two NVLink 2 bricks between a pair of V100 SXM2 (25 G
 V100_F16_GEMM = 90e12  # FLOP/s sustained on the trunk's GEMMs (of 125 peak)
 
 
-def per_token_bytes(config, dtype_bytes: int) -> tuple[int, int]:
-    """(all-reduced, broadcast) bytes a token costs each rank per forward pass: one hidden row in the serving
-    dtype after every mixer and MLP, and the fp32 embedded row from rank 0."""
-    return 2 * config.num_layers * config.hidden_size * dtype_bytes, config.hidden_size * 4
+def per_token_bytes(config, dtype_bytes: int) -> int:
+    """Bytes a token costs each rank's all-reduces per forward pass: one hidden row in the serving dtype after
+    every mixer and MLP, and the fp32 embedded row (the ranks' shares of the vocabulary summed)."""
+    return 2 * config.num_layers * config.hidden_size * dtype_bytes + config.hidden_size * 4
 
 
 def ring_seconds(nbytes: float, ranks: int, link: float) -> float:
@@ -56,19 +56,15 @@ def main() -> int:
     one = Decider.from_release(path, device="cpu", progress=False)
     group = TensorParallel(2)
     two = Decider.from_release(path, device="cpu", progress=False, tensor_parallel=group)
-    counted = {"all_reduce": 0, "broadcast": 0}
+    counted = {"all_reduce": 0}
     collectives = two.trunk.collectives
-    real_reduce, real_broadcast = collectives.all_reduce, collectives.broadcast
+    real_reduce = collectives.all_reduce
 
     def all_reduce(t):
         counted["all_reduce"] += t.numel() * t.element_size()
         return real_reduce(t)
 
-    def broadcast(t):
-        counted["broadcast"] += t.numel() * t.element_size()
-        return real_broadcast(t)
-
-    collectives.all_reduce, collectives.broadcast = all_reduce, broadcast
+    collectives.all_reduce = all_reduce
     times: dict[str, list[float]] = {"TP=1": [], "TP=2": []}
     tokens = 0
     worst = 0.0
@@ -102,8 +98,8 @@ def main() -> int:
         f"max |dp| {worst:.1e}"
     )
     print(
-        f"bytes a token, counted: all-reduced {counted['all_reduce'] / tokens:.0f}, broadcast "
-        f"{counted['broadcast'] / tokens:.0f}; the formula: {formula[0]} and {formula[1]}"
+        f"bytes a token all-reduced, counted: {counted['all_reduce'] / tokens:.0f} (the head's option rows "
+        f"included); the forward's formula: {formula}"
     )
 
     import tempfile
@@ -112,18 +108,18 @@ def main() -> int:
 
     release = load_release_config(flash_config_release(Path(tempfile.mkdtemp()) / "clef-flash-config"))
     flash = release.trunk
-    reduced, broadcast_bytes = per_token_bytes(flash, 2)
+    reduced = per_token_bytes(flash, 2)
     params = planned_weights(release, torch.float16)["trunk"] / 2  # the layers' weights (not the tables)
     print("\nclef-flash in f16 on 2 x V100-16GB: the traffic against a step's compute (a projection)")
-    print(f"per token and rank: all-reduced {reduced / 2**10:.0f} KiB, broadcast {broadcast_bytes / 2**10:.0f} KiB")
+    print(f"per token and rank: all-reduced {reduced / 2**10:.0f} KiB")
     flops_per_token = 2 * params / 2  # each rank: half the weights, two FLOPs a weight (attention's scores aside)
     print(f"{'tokens a step':>14s} {'compute ms':>11s} {'PCIe ms':>8s} {'NVLink ms':>10s}")
     for step in (1, 64, 1024, 4096):
         compute = step * flops_per_token / V100_F16_GEMM * 1e3
-        pcie = (ring_seconds(step * reduced, 2, PCIE3_X16) + step * broadcast_bytes / PCIE3_X16) * 1e3
-        nvlink = (ring_seconds(step * reduced, 2, NVLINK_V100) + step * broadcast_bytes / NVLINK_V100) * 1e3
+        pcie = ring_seconds(step * reduced, 2, PCIE3_X16) * 1e3
+        nvlink = ring_seconds(step * reduced, 2, NVLINK_V100) * 1e3
         print(f"{step:>14d} {compute:>11.2f} {pcie:>8.2f} {nvlink:>10.2f}")
-    print("(64 all-reduces a step: at 1 token each is latency-bound, ~10-20 us over PCIe, not bandwidth)")
+    print("(65 all-reduces a step: at 1 token each is latency-bound, ~10-20 us over PCIe, not bandwidth)")
     return 0
 
 

@@ -128,11 +128,16 @@ class Decider:
         tokenizer = Tokenizer.from_release(path, decision_options.client_special_tokens)
         shard = None
         if tensor_parallel is not None and tensor_parallel.size > 1:  # this process is rank 0
+            from clef_cuda.model.footprint import release_has_vision, vocab_split
             from clef_cuda.model.shard import Shard, check_shardable
+            from clef_cuda.model.weights import release_headers
 
             check_shardable(config.trunk, tensor_parallel.size)
-            shard = Shard(0, tensor_parallel.size)
-            tensor_parallel.launch(path, device, dtype, quantize)  # the other ranks load theirs meanwhile
+            has_vision = release_has_vision(config, release_headers(Path(path)))
+            split = vocab_split(config, dtype, quantize, head_dtype, has_vision, tensor_parallel.size)
+            shard = Shard(0, tensor_parallel.size, split[0])
+            # The other ranks load theirs meanwhile.
+            tensor_parallel.launch(path, device, dtype, quantize, vocab_tables, split)
         try:
             weights = load_release_weights(
                 path,

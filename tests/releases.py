@@ -201,6 +201,21 @@ def flash_config_release(out_dir: str | Path) -> Path:
     return config_only_release(out_dir, FLASH_TEXT, FLASH_HEAD, FLASH_VOCAB, FLASH_VISION)
 
 
+# clef (27B): Cloudflare's config.json and joint_head_config.json as its release card gives the sizes (issue 40's
+# table: 64 layers, a full-attention layer every 4th, hidden 5,120, MLP 17,408, attention 24 q / 4 kv x 256, delta
+# net 16 key / 48 value heads x 128, the same vocabulary and tower, the head at hidden 5,120), kept in the tree.
+CLEF_27B_CONFIG = Path(__file__).resolve().parent / "fixtures" / "clef-27b"
+
+
+def clef_config_release(out_dir: str | Path) -> Path:
+    """clef 27B's config.json and joint_head_config.json alone (no weights): what --plan reads."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "joint_head_config.json"):
+        (out / name).write_text((CLEF_27B_CONFIG / name).read_text())
+    return out
+
+
 @functools.cache
 def tiny_release() -> Path:
     """The upstream tiny release (clef_finetune.tiny), built once per test session."""
@@ -248,6 +263,39 @@ TP4_TEXT = dict(
 def tp4_release() -> Path:
     """A release that shards over 4 tensor-parallel ranks."""
     return build_release(Path(tempfile.mkdtemp(prefix="clef-tp4-")) / "release", text=TP4_TEXT, seed=2)
+
+
+# clef 27B's ratios at a test's size (issue 40's table): a full-attention layer every 4th, 6 query heads per KV
+# head, 3 delta-net value heads per key head, an MLP 3.4 times the hidden size; every head count a multiple of 4,
+# so it shards over 4 ranks.
+CLEF_RATIO_TEXT = dict(
+    MID_TEXT,
+    hidden_size=80,
+    intermediate_size=272,
+    num_hidden_layers=8,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=16,
+    linear_num_key_heads=4,
+    linear_num_value_heads=12,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+)
+CLEF_RATIO_HEAD = dict(MID_HEAD, hidden_size=80)
+
+
+@functools.cache
+def clef_ratio_release() -> Path:
+    """A release with clef 27B's ratios (and an image tower), small enough for the CPU."""
+    return build_release(
+        Path(tempfile.mkdtemp(prefix="clef-27b-ratio-")) / "release",
+        text=CLEF_RATIO_TEXT,
+        head=CLEF_RATIO_HEAD,
+        vocab_size=701,
+        seed=4,
+    )
 
 
 @functools.cache

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from live import live_server, wait_until
-from releases import tiny_release
+from releases import clef_config_release, flash_config_release, tiny_release
 
 from app.server import ServerSettings
 from clef_cuda import Decider
@@ -107,7 +107,7 @@ def test_bad_model_directory_is_a_one_line_error(tmp_path):
 
 
 def test_seed_deployment_arguments_parse():
-    from app.cli import build_parser, served_model_name
+    from app.cli import build_parser
 
     seed = [
         "--w",
@@ -128,9 +128,24 @@ def test_seed_deployment_arguments_parse():
     args = build_parser().parse_args(seed)
     assert (args.weights, args.device, args.dtype, args.port) == ("/mnt/models/clef-flash", "0", "f16", 8080)
     assert (args.max_num_seqs, args.kv_fraction, args.prefill_chunk_size) == (4, 0.30, 1024)
-    assert not args.disable_prefix_cache and args.max_model_len == 16384 and served_model_name(args) == "clef-flash"
-    assert served_model_name(build_parser().parse_args([])) == "clef-tiny"  # no --w: the embedded model
+    assert not args.disable_prefix_cache and args.max_model_len == 16384
     assert (args.selfcheck, args.log_format, args.client_special_tokens) == ("enforce", "text", "control")
+
+
+def test_the_served_name_follows_the_release(tmp_path):
+    """clef 27B is served as `clef`, clef-flash (and any other release) as `clef-flash`: the hosted API's two
+    names; /v1/models describes which; --served-model-name overrides the name; no --w: the embedded clef-tiny."""
+    from app.cli import build_parser, served_model
+
+    def named(*flags: str) -> tuple[str, str]:
+        return served_model(build_parser().parse_args(list(flags)))
+
+    clef, flash = clef_config_release(tmp_path / "clef"), flash_config_release(tmp_path / "flash")
+    assert named("--w", str(clef)) == ("clef", "clef System One decision model (27B)")
+    assert named("--w", str(flash)) == ("clef-flash", "clef-flash System One decision model (9B)")
+    assert named("--w", str(tiny_release()))[0] == "clef-flash"
+    assert named("--w", str(clef), "--served-model-name", "ours")[0] == "ours"
+    assert named()[0] == "clef-tiny"
 
 
 def test_client_special_tokens_reach_the_tokenizer():

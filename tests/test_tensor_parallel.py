@@ -21,13 +21,14 @@ import pytest
 import torch
 from parity import INT8_BOUNDS, assert_answers_match
 from random_requests import random_request
-from releases import flash_config_release, tiny_release, tp4_release
+from releases import clef_ratio_release, flash_config_release, tiny_release, tp4_release
 from tp_worker_faults import ARMED_ENV, FAULT_ENV, rank0_ops
 
 from clef_cuda import Decider
 from clef_cuda.errors import NumericalOverflowError
 from clef_cuda.model.config import load_release_config
 from clef_cuda.model.shard import Shard, local_config
+from clef_cuda.model.vocab_tables import VOCAB_TABLES, VocabShard
 from clef_cuda.model.weights import load_release_weights
 from clef_cuda.request import answers
 from clef_cuda.serving.engine import Engine, EngineConfig
@@ -50,25 +51,30 @@ def nbytes(weights: dict) -> int:
 
 @pytest.mark.parametrize("size", [2, 4])
 def test_each_rank_loads_its_share_of_the_trunk(size):
-    """The layers' bytes split N ways (norm gains, a few KiB, replicated); the vocabulary tables on rank 0
-    only; every rank's tensors have its local config's shapes."""
+    """The layers' bytes split N ways (norm gains, a few KiB, replicated); the vocabulary tables by rows (the
+    ranks' rows, in order, are the whole table); every rank's tensors have its local config's shapes."""
     path = tp4_release()
     config = load_release_config(path)
     whole = load_release_weights(path, config, progress=False).trunk
-    tables = ("embed_tokens.weight", "lm_head.weight")
-    layers = nbytes({k: v for k, v in whole.items() if k not in tables})
+    layers = nbytes({k: v for k, v in whole.items() if k not in VOCAB_TABLES})
     replicated = nbytes({k: v for k, v in whole.items() if k.endswith(("norm.weight", "layernorm.weight"))})
+    rows = {table: [] for table in VOCAB_TABLES}
     for rank in range(size):
         shard = load_release_weights(path, config, progress=False, shard=Shard(rank, size)).trunk
-        mine = nbytes({k: v for k, v in shard.items() if k not in tables})
+        mine = nbytes({k: v for k, v in shard.items() if k not in VOCAB_TABLES})
         assert mine == (layers - replicated) // size + replicated, (rank, mine, layers)
-        assert all((shard[t] is not None) == (rank == 0) for t in tables)
+        for table in VOCAB_TABLES:
+            assert isinstance(shard[table], VocabShard) and shard[table].shape == whole[table].shape
+            assert shard[table].start == sum(part.shape[0] for part in rows[table])
+            rows[table].append(shard[table].local)
         from clef_cuda.model.weights import trunk_shapes
 
         expected = trunk_shapes(local_config(config.trunk, size))
         for key, tensor in shard.items():
-            if tensor is not None and key not in tables:
+            if key not in VOCAB_TABLES:
                 assert tuple(tensor.shape) == expected[key], key
+    for table in VOCAB_TABLES:
+        assert torch.equal(torch.cat(rows[table]), whole[table]), table
 
 
 def capture_answers(monkeypatch) -> list[dict[str, float]]:
@@ -120,7 +126,10 @@ def serve(
         engine.stop(60)
 
 
-@pytest.mark.parametrize(("size", "release"), [(2, tiny_release), (4, tp4_release), (2, tp4_release)])
+@pytest.mark.parametrize(
+    ("size", "release"),
+    [(2, tiny_release), (4, tp4_release), (2, tp4_release), (2, clef_ratio_release), (4, clef_ratio_release)],
+)
 def test_tensor_parallel_answers_equal_one_device(monkeypatch, size, release):
     seen = capture_answers(monkeypatch)
     requests = corpus()
@@ -134,6 +143,29 @@ def test_tensor_parallel_answers_equal_one_device(monkeypatch, size, release):
         assert ours["usage"] == theirs["usage"] and ours["model"] == theirs["model"]
         by_question = dict(zip(theirs["answers"], unrounded, strict=True))
         assert_answers_match(ours["answers"], theirs["answers"], by_question, TP_BOUND)
+
+
+@pytest.mark.parametrize("vocab_tables", ["device", "host"])
+def test_images_and_vocabulary_rows_split_over_the_ranks_answer_as_one_device(monkeypatch, vocab_tables):
+    """Requests with images under TP=2 on clef 27B's ratios: each rank's share of the vocabulary rows (rank 0
+    holds fewer: the tower and head are its alone; in host memory too), image features in place of their
+    tokens on rank 0 and zeros on the other (its rows of <|image_pad|> included), the head's option rows summed
+    over the ranks."""
+    from images import data_url, png
+
+    seen = capture_answers(monkeypatch)
+    rng = random.Random(7)
+    requests = []
+    for seed in range(3):
+        request = random_request(rng, null_score_levels=False, state_words=(5, 60))
+        request["images"] = [data_url(png(64 + 32 * seed, 48, seed)) for _ in range(seed % 2 + 1)]
+        requests.append(request)
+    release = clef_ratio_release()
+    _, p_one, _ = serve(release, 1, requests, seen)
+    _, p_two, engine = serve(release, 2, requests, seen, vocab_tables=vocab_tables)
+    embed = engine.decider.trunk.embed
+    assert isinstance(embed, VocabShard) and embed.local.shape[0] < embed.shape[0] // 2  # here: none (a tiny table)
+    assert worst_difference(p_one, p_two) <= TP_BOUND
 
 
 def test_shadow_runs_the_reference_on_every_rank_and_matches(monkeypatch):
@@ -271,7 +303,9 @@ def test_the_plan_per_rank_fits_clef_flash_in_f16_on_two_16_gb_cards(tmp_path):
     seed = ["--max-num-seqs", "4", "--kv-fraction", "0.30", "--max-model-len", "16384", "--dtype", "f16"]
     two = clef_serve("--w", str(release), "--plan", "--gpu-memory", "16GiB", "--tp", "2", *seed, "--d", "cpu")
     assert two.returncode == 0, two.stdout + two.stderr
-    assert "tensor parallel: rank 0 of 2" in two.stdout and "fits: yes" in two.stdout
+    assert "rank 0 of 2 such cards" in two.stdout and "fits: yes" in two.stdout
+    assert re.search(r"^  rank 1 .* rank 0's cache fits", two.stdout, re.MULTILINE), two.stdout
+    assert "the others 1" in two.stdout  # the balance line: every rank's share of the vocabulary rows
     (tokens,) = re.findall(r"= (\d+) tokens \(", two.stdout)
     assert int(tokens) >= 16384, two.stdout
     one = clef_serve("--w", str(release), "--plan", "--gpu-memory", "16GiB", *seed, "--d", "cpu")

@@ -124,6 +124,9 @@ class ReleaseConfig:
     # The release's revision when it sits in a Hugging Face cache (.../snapshots/<revision>/): adapters
     # trained on another revision are warned about.
     revision: str | None = None
+    # An fp8 block-quantized release's weight block size (clef_cuda.model.fp8): its weights are dequantized as
+    # they load. None: stored unquantized.
+    fp8_block_size: tuple[int, int] | None = None
 
 
 def read_json_object(path: Path, error: type[Exception] = ReleaseError, missing: str = "") -> dict[str, Any]:
@@ -255,14 +258,7 @@ def load_trunk_config(path: Path) -> tuple[TrunkConfig, str]:
     """config.json -> (trunk config, weight prefix). Accepts model_type qwen3_5 (text config nested under
     text_config: the release layout) and qwen3_5_text / Qwen3_5ForCausalLM (a text-only save)."""
     data = _read_json(path)
-    for where, fields in (("", data), ("text_config.", data.get("text_config"))):
-        if isinstance(fields, dict) and fields.get("quantization_config") is not None:
-            method = fields["quantization_config"]
-            method = method.get("quant_method", "unknown") if isinstance(method, dict) else method
-            raise ReleaseError(
-                f"{path}: field '{where}quantization_config' ({method}): this release is already quantized; "
-                "clef-serve loads bf16/f16/f32 releases and quantizes them itself (--quantize int8)"
-            )
+    load_fp8_block_size(data, path)  # any quantization but fp8 blocks is refused here, by name
     model_type = data.get("model_type")
     architectures = data.get("architectures") or []
     if model_type == "qwen3_5":
@@ -346,14 +342,62 @@ def load_head_config(path: Path, trunk: TrunkConfig) -> HeadConfig:
     return config
 
 
+def load_fp8_block_size(data: dict[str, Any], path: Path) -> tuple[int, int] | None:
+    """The weight block size of an fp8 block-quantized release (clef_cuda.model.fp8: quant_method fp8, e4m3,
+    weight_block_size [rows, cols]), None for a release stored unquantized; ReleaseError naming any other
+    quantization (GPTQ, AWQ, bitsandbytes, per-tensor fp8, ...): its tensors are not weights we can read."""
+    found = None
+    for where, fields in (("", data), ("text_config.", data.get("text_config"))):
+        if not isinstance(fields, dict) or fields.get("quantization_config") is None:
+            continue
+        config = fields["quantization_config"]
+        method = config.get("quant_method", "unknown") if isinstance(config, dict) else config
+        block = config.get("weight_block_size") if isinstance(config, dict) else None
+        blocks_ok = isinstance(block, list) and len(block) == 2
+        blocks_ok = blocks_ok and all(type(n) is int and n > 0 for n in block)
+        if method == "fp8" and config.get("fmt", "e4m3") == "e4m3" and blocks_ok:
+            found = (block[0], block[1])
+            continue
+        kind = method
+        if method == "fp8":
+            kind = f"fp8 {config.get('fmt')}" if blocks_ok else "fp8, without a weight_block_size"
+        raise ReleaseError(
+            f"{path}: field '{where}quantization_config' ({kind}): this release is already quantized in a way "
+            "clef-serve does not read; it loads bf16/f16/f32 releases and fp8 e4m3 ones with block scales "
+            "(weight_block_size), and quantizes them itself (--quantize int8)"
+        )
+    return found
+
+
 def load_release_config(model_dir: str | Path) -> ReleaseConfig:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ReleaseError(f"{model_dir}: not a directory (expected a clef-flash release directory)")
+        raise ReleaseError(f"{model_dir}: not a directory (expected a Clef release directory)")
     trunk, prefix = load_trunk_config(model_dir / "config.json")
     head = load_head_config(model_dir / "joint_head_config.json", trunk)
     vision, media_tokens = load_vision_config(model_dir / "config.json", trunk)
     revision = model_dir.resolve().name if model_dir.resolve().parent.name == "snapshots" else None
+    fp8_block_size = load_fp8_block_size(_read_json(model_dir / "config.json"), model_dir / "config.json")
     return ReleaseConfig(
-        trunk=trunk, head=head, weight_prefix=prefix, vision=vision, media_tokens=media_tokens, revision=revision
+        trunk=trunk,
+        head=head,
+        weight_prefix=prefix,
+        vision=vision,
+        media_tokens=media_tokens,
+        revision=revision,
+        fp8_block_size=fp8_block_size,
     )
+
+
+# Cloudflare's Clef family by trunk shape (hidden size, layers): the name each is hosted under
+# (@cf/cloudflare/<name> on Workers AI), which clients send as `model`, and what /v1/models says of it.
+CLEF_FAMILY = {
+    (4096, 32): ("clef-flash", "clef-flash System One decision model (9B)"),
+    (5120, 64): ("clef", "clef System One decision model (27B)"),
+}
+
+
+def family_of(config: ReleaseConfig) -> tuple[str, str]:
+    """(served name, description) of a release: clef 27B's shapes are `clef`; any other is served as clef-flash
+    (clef-flash itself, its fine-tunes and merges, and the small releases the tests build)."""
+    return CLEF_FAMILY.get((config.trunk.hidden_size, config.trunk.num_layers), CLEF_FAMILY[(4096, 32)])

@@ -14,6 +14,7 @@ import torch
 
 from clef_cuda.model.config import ReleaseConfig
 from clef_cuda.model.quantize import Int8Weight, is_quantized_name
+from clef_cuda.model.vocab_tables import VOCAB_TABLES, VocabShard, vocab_part
 from clef_cuda.model.weights import (
     FP32_SUFFIXES,
     VISION_FP32_SUFFIXES,
@@ -24,7 +25,6 @@ from clef_cuda.model.weights import (
 )
 
 PARTS = ("trunk", "embeddings", "vision", "head")
-EMBEDDING_TABLES = ("embed_tokens.weight", "lm_head.weight")
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -45,23 +45,33 @@ def planned_weights(
     head_dtype: torch.dtype = torch.float32,
     has_vision: bool | None = None,
     vocab_tables: str = "device",
+    rank: int = 0,
+    ranks: int = 1,
+    vocab_rows: tuple[int, int] | None = None,
 ) -> dict[str, int]:
     """Bytes per part the loader will hold on the device for `config` in `dtype` (int8 rows + an fp32 scale per
     row for the quantized tensors). `has_vision`: whether the release holds the tower's tensors (default: when
     config.json describes one). vocab_tables="host": the embedding tables are not on the device (0; see
-    planned_host_tables)."""
+    planned_host_tables). Tensor parallel (config: a rank's local config, clef_cuda.model.shard): rank `rank` of
+    `ranks` holds its `vocab_rows` of each vocabulary table (default: an even split), and the tower and the head
+    only on rank 0."""
     parts = dict.fromkeys(PARTS, 0)
+    start, end = vocab_rows or vocab_part(config.trunk.vocab_size, rank, ranks)
     for name, shape in trunk_shapes(config.trunk).items():
         if name == "lm_head.weight" and config.trunk.tie_word_embeddings:
             continue
-        if name in EMBEDDING_TABLES and vocab_tables == "host":
+        if name in VOCAB_TABLES and vocab_tables == "host":
             continue
-        part = "embeddings" if name in EMBEDDING_TABLES else "trunk"
+        if name in VOCAB_TABLES:
+            shape = (end - start, *shape[1:])
+        part = "embeddings" if name in VOCAB_TABLES else "trunk"
         if quantize == "int8" and is_quantized_name(name):
             parts[part] += _numel(shape) + 4 * shape[0]
         else:
             width = 4 if name.endswith(FP32_SUFFIXES) else dtype_bytes(dtype)
             parts[part] += _numel(shape) * width
+    if rank > 0:  # the tower and the head run on rank 0 alone
+        return parts
     if config.vision is not None and (has_vision is None or has_vision):
         for name, shape in vision_shapes(config.vision).items():
             parts["vision"] += _numel(shape) * (4 if name.endswith(VISION_FP32_SUFFIXES) else dtype_bytes(dtype))
@@ -69,9 +79,28 @@ def planned_weights(
     return parts
 
 
-def planned_host_tables(config: ReleaseConfig, dtype: torch.dtype, quantize: str = "none") -> int:
-    """Host bytes of the vocabulary tables under vocab_tables="host" (pinned memory)."""
-    return planned_weights(config, dtype, quantize)["embeddings"]
+def planned_host_tables(
+    config: ReleaseConfig, dtype: torch.dtype, quantize: str = "none", vocab_rows: tuple[int, int] | None = None
+) -> int:
+    """Host bytes of the vocabulary tables (or their `vocab_rows`) under vocab_tables="host" (pinned memory)."""
+    return planned_weights(config, dtype, quantize, vocab_rows=vocab_rows)["embeddings"]
+
+
+def vocab_split(
+    config: ReleaseConfig, dtype: torch.dtype, quantize: str, head_dtype: torch.dtype, has_vision: bool, ranks: int
+) -> list[tuple[int, int]]:
+    """Each tensor-parallel rank's rows [start, end) of the vocabulary tables, so that the ranks' weights are as
+    equal as they can be: rank 0 alone holds the vision tower and the joint head, so it takes that much less of
+    the tables (none when those outweigh a fair share) and the others split the rest evenly. Every rank's trunk
+    shard is the same size, so the tables, the tower and the head are all that differ."""
+    vocab = config.trunk.vocab_size
+    if ranks == 1:
+        return [(0, vocab)]
+    whole = planned_weights(config, dtype, quantize, head_dtype, has_vision)
+    extra = whole["vision"] + whole["head"]
+    rank0 = max(0, round(vocab * ((whole["embeddings"] - (ranks - 1) * extra) / ranks) / whole["embeddings"]))
+    per = -(-(vocab - rank0) // (ranks - 1))
+    return [(0, rank0)] + [(min(rank0 + r * per, vocab), min(rank0 + (r + 1) * per, vocab)) for r in range(ranks - 1)]
 
 
 def release_has_vision(config: ReleaseConfig, headers: Iterable[str]) -> bool:
@@ -104,6 +133,8 @@ def _tensors(obj, seen: set[int]) -> Iterator[torch.Tensor]:
         yield obj
     elif isinstance(obj, Int8Weight):
         yield from (t for t in (obj.qweight, obj.scale, obj.dense_tail) if t is not None)
+    elif isinstance(obj, VocabShard):  # a tensor-parallel rank's rows of a table
+        yield from _tensors(obj.local, seen)
     elif is_dataclass(obj) and not isinstance(obj, type):
         for f in fields(obj):
             yield from _tensors(getattr(obj, f.name), seen)
@@ -144,5 +175,6 @@ def host_table_bytes(trunk) -> int:
     """Host bytes of the vocabulary tables kept in host memory (clef_cuda.model.vocab_tables.HostTable)."""
     from clef_cuda.model.vocab_tables import HostTable
 
-    tables = {id(t): t for t in (trunk.embed, trunk.lm_head) if isinstance(t, HostTable)}
+    tables = [t.local if isinstance(t, VocabShard) else t for t in (trunk.embed, trunk.lm_head)]
+    tables = {id(t): t for t in tables if isinstance(t, HostTable)}
     return sum(t.nbytes() for t in tables.values())

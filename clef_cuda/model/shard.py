@@ -10,8 +10,11 @@ each MLP; clef_cuda.serving.tensor_parallel runs the ranks):
   attention   query heads with their KV heads: q_proj (each head's query and gate rows), k_proj, v_proj by
               rows; o_proj by columns. Each rank's KV blocks hold its own KV heads.
   MLP         gate_proj and up_proj by rows (intermediate columns), down_proj by columns.
-Norm gains are replicated. The embedding and LM-head tables (and the vision tower and joint head) are rank 0's
-only: it embeds each step's tokens and sends the rows to the others, and it alone runs the head.
+Norm gains are replicated. The embedding and LM-head tables are split by rows (vocab-parallel,
+clef_cuda.model.vocab_tables.VocabShard): each rank looks up the rows it holds and one all-reduce sums the
+shares, for a step's tokens as for the head's option rows. The vision tower and the joint head are rank 0's
+alone (it runs them; the all-reduces make its hidden states whole), so rank 0 takes fewer of the tables' rows
+(clef_cuda.model.footprint.vocab_split: the ranks' weights as equal as they can be).
 """
 
 from __future__ import annotations
@@ -23,15 +26,19 @@ from dataclasses import dataclass
 import torch
 
 from clef_cuda.model.config import TrunkConfig
+from clef_cuda.model.vocab_tables import VOCAB_TABLES, vocab_part
 
 TENSOR_PARALLEL_SIZES = (1, 2, 4)
-RANK0_ONLY = ("embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
 class Shard:
     rank: int
     size: int
+    vocab: tuple[int, int] | None = None  # its rows [start, end) of the vocabulary tables (None: an even split)
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
+        return self.vocab if self.vocab is not None else vocab_part(vocab_size, self.rank, self.size)
 
     def part(self, count: int) -> tuple[int, int]:
         """This rank's [start, end) of `count` things split evenly."""
@@ -79,11 +86,10 @@ class TensorReader:
         return cls(lambda a, b: tensor[a:b], lambda a, b: tensor[:, a:b], lambda: tensor)
 
 
-def shard_tensor(key: str, reader: TensorReader, config: TrunkConfig, shard: Shard) -> torch.Tensor | None:
-    """Rank `shard`'s part of trunk tensor `key` (a name relative to the text model, as in trunk_shapes);
-    None when the rank holds none of it (the vocabulary tables off rank 0)."""
-    if key in RANK0_ONLY:
-        return reader.whole() if shard.rank == 0 else None
+def shard_tensor(key: str, reader: TensorReader, config: TrunkConfig, shard: Shard) -> torch.Tensor:
+    """Rank `shard`'s part of trunk tensor `key` (a name relative to the text model, as in trunk_shapes)."""
+    if key in VOCAB_TABLES:
+        return reader.rows(*shard.vocab_rows(config.vocab_size))
     name = key.split(".", 2)[-1] if key.startswith("layers.") else key
     c = config
     dk, dv, d = c.linear_key_head_dim, c.linear_value_head_dim, c.head_dim

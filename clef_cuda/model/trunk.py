@@ -15,6 +15,7 @@ and runs the same GEMM; the embedding lookup dequantizes the rows it gathers.
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 from clef_cuda.errors import NumericalOverflowError
 from clef_cuda.model.config import LINEAR_ATTENTION, TrunkConfig
 from clef_cuda.model.quantize import DequantizeScratch, Int8Weight
-from clef_cuda.model.vocab_tables import HostTable
+from clef_cuda.model.vocab_tables import HostTable, VocabShard
 
 Tensor = torch.Tensor
 
@@ -40,8 +41,6 @@ class Collectives(Protocol):
     """The tensor-parallel group a sharded trunk sums over (clef_cuda.serving.tensor_parallel implements it)."""
 
     def all_reduce(self, tensor: Tensor) -> Tensor: ...  # the sum over the ranks, in place; returns it
-
-    def broadcast(self, tensor: Tensor) -> None: ...  # rank 0's tensor to every rank, in place
 
 
 class Peers(Protocol):
@@ -198,10 +197,14 @@ class Trunk:
         if ops is None:
             from clef_cuda import ops
         self.config, self.dtype, self.ops = config, dtype, ops
-        # [vocab, H]; int8 rows under --quantize int8. None on a tensor-parallel rank other than 0 (it is handed
-        # each step's embedded rows).
-        self.embed: Weight | None = weights["embed_tokens.weight"]
-        self.lm_head: Weight | None = weights["lm_head.weight"]
+        # [vocab, H]; int8 rows under --quantize int8; a HostTable under --vocab-tables host; this rank's rows
+        # under tensor parallel (a VocabShard, read whole through vocab_rows); None in a kernel trial's two-layer
+        # trunk (it runs layers, never a forward).
+        self.embed: Weight | VocabShard | None = weights["embed_tokens.weight"]
+        self.lm_head: Weight | VocabShard | None = weights["lm_head.weight"]
+        for name in ("embed", "lm_head"):
+            if isinstance(getattr(self, name), VocabShard):
+                getattr(self, name).gather = functools.partial(self.vocab_rows, name)
         self.final_scale = 1.0 + weights["norm.weight"].float()
         device = self.final_scale.device
         half = config.rotary_dim // 2
@@ -226,7 +229,7 @@ class Trunk:
         self.int8_by_rows: list[tuple[int, str]] = list(DEFAULT_INT8_BY_ROWS)
         # Tensor parallel (clef_cuda.model.shard; the ranks are run by clef_cuda.serving.tensor_parallel): this
         # trunk is one rank's shard; `collectives` sums each mixer's and MLP's partial output over the ranks
-        # (all_reduce) and hands rank 0's embedded rows to the others (broadcast); rank 0's `peers` tells the
+        # (all_reduce), and the ranks' shares of each step's embedded rows; rank 0's `peers` tells the
         # other ranks what to run before it runs it. Both None on one device.
         self.collectives: Collectives | None = None
         self.peers: Peers | None = None
@@ -312,16 +315,15 @@ class Trunk:
         self, batch: ChunkBatch, cache: TrunkCache, lora: AdapterBatch | None, probe: LayerProbe | None
     ) -> Tensor:
         eps = self.config.rms_norm_eps
-        if self.embed is not None:
-            on_host = isinstance(self.embed, HostTable) and batch.host_input_ids is not None
-            ids = batch.host_input_ids if on_host else batch.input_ids
-            x = self._embed(ids).float().contiguous()  # the residual stream: fp32
-            if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens
-                x[batch.override_rows] = batch.override_values.float()
-        else:  # a tensor-parallel rank other than 0: rank 0 embeds
-            x = torch.empty(batch.input_ids.shape[0], self.config.hidden_size, device=self.device)
-        if self.collectives is not None:
-            self.collectives.broadcast(x)
+        table = self.embed.local if isinstance(self.embed, VocabShard) else self.embed
+        on_host = isinstance(table, HostTable) and batch.host_input_ids is not None
+        ids = batch.host_input_ids if on_host else batch.input_ids
+        x = self._embed(ids).float().contiguous()  # the residual stream: fp32 (a rank's share under TP)
+        if batch.override_rows is not None:  # image features in place of their <|image_pad|> tokens
+            # A tensor-parallel worker is not handed the features: rank 0's share is them, the others' zeros.
+            x[batch.override_rows] = batch.override_values.float() if batch.override_values is not None else 0.0
+        if self.collectives is not None:  # the ranks' shares of the vocabulary summed: every row whole
+            self.collectives.all_reduce(x)
         rope = self._rope(batch.positions)
         # Each block's output (in the serving dtype) is added to the residual stream by the next norm, in
         # the same pass (ops.add_rms_norm): the stream is read and written once per norm, not per step.
@@ -413,9 +415,24 @@ class Trunk:
         return self._attention(layer.mixer, h, batch, cache, i, *rope, index, lora)
 
     def _embed(self, token_ids: Tensor) -> Tensor:
+        if isinstance(self.embed, VocabShard):
+            return self.embed.partial_rows(token_ids, self.ops)
         if isinstance(self.embed, Int8Weight | HostTable):
             return self.embed.rows(token_ids, self.ops)
         return self.embed[token_ids]
+
+    def vocab_rows(self, table: str, ids: Tensor) -> Tensor:
+        """Whole rows `ids` (int64 [n]) of a vocabulary table split over the tensor-parallel ranks ("embed" or
+        "lm_head": VocabShard.gather, e.g. the joint head's option rows): every rank adds its share (rank 0's
+        peers tell the others to), [n, hidden] in the serving dtype."""
+
+        def local() -> Tensor:
+            rows = getattr(self, table).partial_rows(ids, self.ops).to(self.dtype)
+            return self.collectives.all_reduce(rows) if self.collectives is not None else rows
+
+        if self.peers is not None:
+            return self.peers.call(self, "vocab_rows", (table, ids), local)
+        return local()
 
     def norm(self, index: int, part: str, x: Tensor, dtype: torch.dtype) -> Tensor:
         """Layer `index`'s input norm (part "mixer_in") or post-mixer norm ("mlp_in") of the residual rows x

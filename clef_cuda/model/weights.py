@@ -32,14 +32,14 @@ from clef_cuda.model.config import (
     TrunkConfig,
     VisionConfig,
 )
+from clef_cuda.model.fp8 import FP8_HEADER_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks, scale_name
 from clef_cuda.model.quantize import Int8Weight, is_quantized_name, quantize_int8
 from clef_cuda.model.shard import Shard, TensorReader, shard_tensor
-from clef_cuda.model.vocab_tables import HostTable
+from clef_cuda.model.vocab_tables import VOCAB_TABLES, HostTable, VocabShard
 
 SKIPPED_PREFIXES = ("mtp.", "model.mtp.")
 # Where the two vocabulary tables live (--vocab-tables; auto is the CLI's, decided by the memory plan).
 VOCAB_TABLE_PLACEMENTS = ("device", "host")
-VOCAB_TABLES = ("embed_tokens.weight", "lm_head.weight")
 VISION_PREFIX = "model.visual."  # read when config.json has a vision_config, else skipped
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -252,16 +252,50 @@ def release_headers(model_dir: Path) -> dict[str, tuple[TensorHeader, Path]]:
     return headers
 
 
-def check_not_prequantized(model_dir: str | Path) -> None:
-    """ReleaseError for a release quantized by another tool (integer or fp8 tensors, GPTQ/AWQ names):
-    its tensors are not weights we can load, and --quantize int8 does the quantizing here."""
+def check_not_prequantized(model_dir: str | Path, fp8_block_size: tuple[int, int] | None = None) -> None:
+    """ReleaseError for a release quantized by another tool (integer or fp8 tensors, GPTQ/AWQ names): its
+    tensors are not weights we can load, and --quantize int8 does the quantizing here. fp8_block_size (the
+    release's config says fp8 with block scales, clef_cuda.model.fp8): fp8 e4m3 weights with their scales are
+    read, an fp8 tensor without its scales (or scales without their weight) is refused."""
     model_dir = Path(model_dir)
-    for name, (header, path) in release_headers(model_dir).items():
+    headers = release_headers(model_dir)
+    for name, (header, path) in headers.items():
+        if fp8_block_size is not None and name.endswith(SCALE_SUFFIX):
+            weight = headers.get(name.removesuffix(SCALE_SUFFIX))
+            if weight is None or weight[0].dtype != FP8_HEADER_DTYPE:
+                raise ReleaseError(f"{path}: tensor {name} scales no fp8 weight of the release")
+            continue
+        if fp8_block_size is not None and header.dtype == FP8_HEADER_DTYPE:
+            if scale_name(name) not in headers:
+                raise ReleaseError(f"{path}: tensor {name} is fp8 without its block scales ({scale_name(name)})")
+            continue
         if name.endswith(PREQUANTIZED_SUFFIXES) or header.dtype not in FLOAT_DTYPES:
             raise ReleaseError(
                 f"{path}: tensor {name} is {header.dtype}: this release is already quantized (GPTQ, AWQ, int8 or "
-                "fp8); clef-serve loads bf16/f16/f32 releases and quantizes them itself (--quantize int8)"
+                "fp8 without block scales in its config); clef-serve loads bf16/f16/f32 releases and fp8 ones "
+                "with block scales, and quantizes them itself (--quantize int8)"
             )
+
+
+def _fp8_dequantizer(model_dir: Path, config: ReleaseConfig):
+    """name, stored tensor -> the tensor to load: an fp8 block-quantized weight dequantized (fp32, exact) with
+    its scales, read from their file; everything else as it is."""
+    if config.fp8_block_size is None:
+        return lambda name, tensor: tensor
+    headers = release_headers(model_dir)
+
+    def dequantize(name: str, tensor):
+        if scale_name(name) not in headers:
+            return tensor
+        _, path = headers[scale_name(name)]
+        with _open(path) as f:
+            scale_inv = f.get_tensor(scale_name(name))
+        try:
+            return dequantize_fp8_blocks(tensor[:], scale_inv, config.fp8_block_size)
+        except ValueError as error:
+            raise ReleaseError(f"{path}: tensor {name}: {error}") from error
+
+    return dequantize
 
 
 def _open(path: Path):
@@ -335,8 +369,8 @@ def load_release_weights(
     and embedding tables as int8) and head (in `head_dtype`) onto `device`. vocab_tables="host": the embedding
     and LM-head tables stay in (pinned) host memory as HostTables (clef_cuda.model.vocab_tables).
     shard: a tensor-parallel rank's part only (clef_cuda.model.shard), read from the files by slices, so no
-    rank ever holds a whole sharded tensor; the vocabulary tables, the head and the vision tower on rank 0
-    only (the others get an empty head and no tower)."""
+    rank ever holds a whole sharded tensor; the vocabulary tables by rows (VocabShards), the head and the
+    vision tower on rank 0 only (the others get an empty head and no tower)."""
     if vocab_tables not in VOCAB_TABLE_PLACEMENTS:
         raise ValueError(f"vocab_tables must be one of {VOCAB_TABLE_PLACEMENTS}, got {vocab_tables!r}")
     from tqdm import tqdm
@@ -344,7 +378,8 @@ def load_release_weights(
     if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
     model_dir = Path(model_dir)
-    check_not_prequantized(model_dir)
+    check_not_prequantized(model_dir, config.fp8_block_size)
+    stored = _fp8_dequantizer(model_dir, config)
     expected_trunk = trunk_shapes(config.trunk)
     expected_vision = vision_shapes(config.vision) if config.vision is not None else {}
     vision: dict[str, torch.Tensor] = {}
@@ -372,12 +407,11 @@ def load_release_weights(
             for name, tensor in _tensors(path, names, sliced=sharded):
                 if name.startswith(SKIPPED_PREFIXES) or (name.startswith(VISION_PREFIX) and not expected_vision):
                     continue
+                if config.fp8_block_size is not None and name.endswith(SCALE_SUFFIX):
+                    continue  # read with its weight
+                tensor = stored(name, tensor)
                 if sharded:
                     tensor = _shard_of(name, tensor, prefix, expected_trunk, config.trunk, shard, path)
-                    if tensor is None:  # not this rank's (a vocabulary table off rank 0)
-                        trunk[name[len(prefix) :] if name.startswith(prefix) else name] = None
-                        bar.update(1)
-                        continue
                 if name.startswith(VISION_PREFIX):
                     key = name[len(VISION_PREFIX) :]
                     if key not in expected_vision:
@@ -402,6 +436,9 @@ def load_release_weights(
                     trunk[key] = _place(name, tensor, expected_trunk[key], serving_dtype_for(key, dtype), where, path)
                 if where != device:
                     trunk[key] = HostTable(trunk[key], device)
+                if sharded and key in VOCAB_TABLES:  # this rank's rows of the table
+                    start, _ = shard.vocab_rows(config.trunk.vocab_size)
+                    trunk[key] = VocabShard(trunk[key], start, config.trunk.vocab_size)
                 del tensor
                 bar.update(1)
         for name, tensor in _tensors(head_path, None) if expected_head else ():
@@ -430,13 +467,14 @@ def load_release_weights(
 
 def _shard_of(name: str, piece, prefix: str, expected: dict, config: TrunkConfig, shard: Shard, path: Path):
     """A tensor-parallel rank's part of trunk tensor `name` (a safetensors slice, its whole shape checked
-    first); None when the rank holds none of it. Vision tensors pass whole (rank 0 alone reads them)."""
+    first). Vision tensors pass whole (rank 0 alone reads them)."""
     if name.startswith(VISION_PREFIX):
         return piece[:]
     key = name[len(prefix) :] if name.startswith(prefix) else name
     if key not in expected:
         raise ReleaseError(f"{path}: unexpected tensor {name} (not part of the configured trunk)")
-    if tuple(piece.get_shape()) != expected[key]:
-        raise ReleaseError(f"{path}: tensor {name} has shape {list(piece.get_shape())}, expected {list(expected[key])}")
+    shape = tuple(piece.get_shape()) if hasattr(piece, "get_shape") else tuple(piece.shape)  # a slice or a tensor
+    if shape != expected[key]:
+        raise ReleaseError(f"{path}: tensor {name} has shape {list(shape)}, expected {list(expected[key])}")
     reader = TensorReader(lambda a, b: piece[a:b], lambda a, b: piece[:, a:b], lambda: piece[:])
     return shard_tensor(key, reader, config, shard)

@@ -17,6 +17,7 @@ tables would fit. `plan_cache` is the split the engine applies to the measured f
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from clef_cuda.model.footprint import (
     planned_host_tables,
     planned_weights,
     release_has_vision,
+    vocab_split,
 )
 from clef_cuda.model.quantize import QUANTIZE_TRANSIENT_BYTES
 from clef_cuda.model.trunk_cache import TrunkCache
@@ -73,9 +75,13 @@ class CachePlan:
     num_blocks: int
     snapshot_budget_bytes: int
 
+    @property
+    def allocated_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes + (self.running_slots + self.snapshot_slots) * self.slot_bytes
+
     def describe(self, block_size: int, max_model_len: int) -> str:
         tokens = self.num_blocks * block_size
-        allocated = self.num_blocks * self.block_bytes + (self.running_slots + self.snapshot_slots) * self.slot_bytes
+        allocated = self.allocated_bytes
         return (
             f"cache: {allocated / MiB:.0f} MiB allocated of a {self.budget_bytes / MiB:.0f} MiB budget: "
             f"{self.num_blocks} KV blocks x {block_size} = {tokens} tokens ({tokens / max_model_len:.1f} records of "
@@ -201,6 +207,10 @@ class ServingPlan:
     image_patches: int = 0  # patches of the largest image the processor allows
     context_counted: bool = True  # whether overhead_bytes includes the CUDA context
     on_gpu: bool = True  # a GPU's plan (where the vocabulary tables can go to host memory)
+    rank: int = 0  # tensor parallel: which rank of `ranks` this plan is for
+    ranks: int = 1
+    other_ranks: tuple[ServingPlan, ...] = ()  # rank 0's plan under tensor parallel: the others' (plan_tensor_parallel)
+    vocab_rows: tuple[int, int] | None = None  # tensor parallel: this rank's rows of the vocabulary tables
 
     @property
     def fits(self) -> bool:
@@ -209,6 +219,14 @@ class ServingPlan:
     @property
     def weight_bytes(self) -> int:
         return sum(self.weights.values())
+
+    @property
+    def needed_bytes(self) -> int:
+        """What the device holds before the cache: weights, int8 scratch, a step's activations, the CUDA
+        overhead, what is reserved."""
+        return (
+            self.weight_bytes + self.scratch_bytes + self.activation_bytes + self.overhead_bytes + self.reserved_bytes
+        )
 
     @property
     def load_peak_bytes(self) -> int:
@@ -221,12 +239,15 @@ class ServingPlan:
         dtype = str(self.dtype).removeprefix("torch.")
         parts = ", ".join(f"{part} {gib(n)}" for part, n in self.weights.items() if n)
         lines = [
-            f"memory plan: {self.release} on {gib(self.device_bytes)} ({self.where}), {kind}{dtype} activations",
+            f"memory plan: {self.release} on {gib(self.device_bytes)} ({self.where})"
+            + (f", rank 0 of {self.ranks} such cards (tensor parallel)" if self.ranks > 1 else "")
+            + f", {kind}{dtype} activations",
             f"  weights        {gib(self.weight_bytes):>10}  ({parts})",
         ]
         if self.vocab_tables == "host":
+            whose = "rank 0's rows, " if self.ranks > 1 else ""
             lines.append(
-                f"  vocab tables   {gib(self.host_table_bytes):>10}  in pinned host memory (--vocab-tables host)"
+                f"  vocab tables   {gib(self.host_table_bytes):>10}  {whose}in pinned host memory (--vocab-tables host)"
             )
         if self.scratch_bytes:
             lines.append(f"  int8 scratch   {gib(self.scratch_bytes):>10}  (the largest fused layer, dequantized)")
@@ -252,8 +273,33 @@ class ServingPlan:
             lines.append(f"  {self.cache.describe(self.block_size, self.max_model_len)}")
         if self.kernels:
             lines.append(f"  attention      {self.kernels}")
+        lines += [other.describe_rank() for other in self.other_ranks]
+        if self.other_ranks:
+            most = max(other.needed_bytes for other in self.other_ranks)
+            rows = [plan.vocab_rows[1] - plan.vocab_rows[0] for plan in (self, *self.other_ranks)]
+            lines.append(
+                f"  balance        rank 0 needs {self.needed_bytes / most:.2f}x the most loaded other rank before the "
+                f"cache: it alone holds the vision tower and the joint head, and {rows[0]:,} of the {sum(rows):,} "
+                f"vocabulary rows (the others {', '.join(f'{n:,}' for n in rows[1:])})"
+            )
         lines.append(f"  fits: {'yes' if self.fits else 'NO: ' + self.problem}")
         return "\n".join(lines)
+
+    def describe_rank(self) -> str:
+        """One line for a tensor-parallel rank other than 0 (it holds rank 0's cache)."""
+        parts = ", ".join(f"{part} {_size(n)}" for part, n in self.weights.items() if n)
+        line = (
+            f"  rank {self.rank:<9d} {_size(self.weight_bytes):>10}  weights ({parts}); load peak "
+            f"{_size(self.load_peak_bytes)}, {_size(self.needed_bytes)} before the cache"
+        )
+        if self.host_table_bytes:
+            line += f", {_size(self.host_table_bytes)} of table rows in host memory"
+        if self.problem is not None:
+            return line + f": does NOT fit: {self.problem}"
+        if self.cache is None:
+            return line + "; fits by itself (rank 0 does not)"
+        spare = self.device_bytes - self.needed_bytes - self.cache.allocated_bytes
+        return line + f"; rank 0's cache fits, {_size(spare)} to spare"
 
     def summary(self) -> str:
         """One line for the start-up error and the log."""
@@ -280,15 +326,21 @@ def plan_serving(
     vocab_tables: str = "device",
     context_counted: bool = True,
     image_max_pixels: int | None = None,
+    rank: int = 0,
+    ranks: int = 1,
+    vocab_rows: tuple[int, int] | None = None,
 ) -> ServingPlan:
     """The plan for `release` (config, headers and processor settings only) on `device_bytes` of memory, with
     the engine's settings `engine_config` (an EngineConfig). context_counted: device_bytes is a card's total
     (the CUDA context still to come out of it), not a live device's free memory. image_max_pixels: the resize
-    budget per image (default: the release's processor's)."""
+    budget per image (default: the release's processor's). rank, ranks: one tensor-parallel rank's plan alone
+    (config: its local config; plan_tensor_parallel plans them together): its `vocab_rows` of the vocabulary
+    tables; the tower, its activations and cache, the head and `reserved_bytes` on rank 0 only."""
     release = Path(release)
-    has_vision = release_has_vision(config, release_headers(release))
-    weights = planned_weights(config, dtype, quantize, head_dtype, has_vision=has_vision, vocab_tables=vocab_tables)
-    host_tables = planned_host_tables(config, dtype, quantize) if vocab_tables == "host" else 0
+    has_vision = release_has_vision(config, release_headers(release)) and rank == 0
+    weights = planned_weights(config, dtype, quantize, head_dtype, has_vision, vocab_tables, rank, ranks, vocab_rows)
+    host_tables = planned_host_tables(config, dtype, quantize, vocab_rows) if vocab_tables == "host" else 0
+    reserved_bytes = reserved_bytes if rank == 0 else 0
     scratch = largest_quantized_weight(config) * dtype_bytes(dtype) if quantize == "int8" else 0
     # Loading's peak beyond the weights: the trunk fuses each layer's projections into one weight (the parts and
     # the fused copy exist at once: the largest fused layer again), and int8 quantizes a block at a time.
@@ -353,4 +405,38 @@ def plan_serving(
         image_patches=patches,
         context_counted=context_counted,
         on_gpu=on_gpu,
+        rank=rank,
+        ranks=ranks,
+        vocab_rows=vocab_rows,
     )
+
+
+def plan_tensor_parallel(
+    release: str | Path, config: ReleaseConfig, engine_config, device_bytes: int, ranks: int, **options
+) -> ServingPlan:
+    """`ranks` cards of device_bytes each (config: the whole release's): rank 0's plan, the other ranks' in its
+    other_ranks. Every rank allocates the state slots and KV blocks rank 0's plan sizes (the engine sizes them
+    on rank 0), so a rank fits when its load fits and its weights, that cache and a step's activations do; the
+    first rank that does not is rank 0's problem. options: plan_serving's."""
+    from clef_cuda.model.shard import local_config
+
+    local = dataclasses.replace(config, trunk=local_config(config.trunk, ranks))
+    has_vision = release_has_vision(config, release_headers(Path(release)))
+    quantize, head_dtype = options.get("quantize", "none"), options.get("head_dtype", torch.float32)
+    split = vocab_split(config, options["dtype"], quantize, head_dtype, has_vision, ranks)
+    first, *others = (
+        plan_serving(release, local, engine_config, device_bytes, rank=r, ranks=ranks, vocab_rows=rows, **options)
+        for r, rows in enumerate(split)
+    )
+    checked = []
+    for other in others:
+        problem = other.problem
+        if problem is None and first.cache is not None:
+            spare = other.device_bytes - other.needed_bytes - first.cache.allocated_bytes
+            if spare < 0:
+                problem = f"it cannot hold rank 0's cache beside its weights ({-spare / GiB:.2f} GiB short)"
+        other = dataclasses.replace(other, cache=first.cache if problem is None else other.cache, problem=problem)
+        checked.append(other)
+        if first.problem is None and problem is not None:
+            first = dataclasses.replace(first, problem=f"rank {other.rank}: {problem}")
+    return dataclasses.replace(first, other_ranks=tuple(checked))

@@ -43,6 +43,7 @@ from clef_cuda import ops, reference
 from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk, rms_norm
 from clef_cuda.model.trunk_cache import TrunkCache
+from clef_cuda.model.vocab_tables import VocabShard
 from clef_cuda.serving.guarded_ops import as_kernel_fault
 
 Tensor = torch.Tensor
@@ -559,6 +560,7 @@ class _SelfCheck:
             checks.append(self.compare(f"dequantize_int8.layer0.{name}", out, expected, 0.0))
             checks.append(self.int8_linear(f"int8_linear.layer0.{name}", weight.qweight, weight.scale))
         embed = self.trunk.embed
+        embed = embed.local if isinstance(embed, VocabShard) else embed  # a tensor-parallel rank's own rows
         if isinstance(embed, Int8Weight):
             rows = torch.randint(0, embed.shape[0], (64,), generator=self.generator).to(self.device)
             checks.append(

@@ -1,7 +1,7 @@
 """Tensor parallel over the cards of one machine: clef-serve --tensor-parallel-size N starts N - 1 worker
 processes (no torchrun), one per card; every rank holds its shard of the trunk (clef_cuda.model.shard) and
-runs its part of every trunk call on the same batch; rank 0 (the server process) serves HTTP, schedules,
-embeds, runs the vision tower and the joint head.
+runs its part of every trunk call on the same batch, its share of the vocabulary tables' rows included; rank 0
+(the server process) serves HTTP, schedules, runs the vision tower and the joint head.
 
 Start: the workers are started first (clef_cuda.serving.children: one start budget, their liveness polled, every
 one reaped on every way out, each dying with rank 0) and load their shards while rank 0 loads its own. Each
@@ -12,12 +12,14 @@ server exits non-zero).
 
 Two channels between rank 0 and each worker:
   commands   a socket pair (multiprocessing.connection): rank 0 sends each call before it makes it (Trunk.peers:
-             forward, an MLP replay, a cache allocated, a state slot copied, the kernel decisions, stop); the
+             forward, an MLP replay, vocabulary rows, a cache allocated, a state slot copied, the kernel
+             decisions, stop); the
              worker answers each call once it is done on its device: ok, or failed (why), with any kernel its
              guarded op library marked failed meanwhile. A worker waits for commands without a timeout (an idle
              server is not a fault) and exits when the channel closes (rank 0 gone).
-  tensors    torch.distributed (NCCL on CUDA, gloo on the CPU): each step's embedded rows broadcast from rank 0,
-             one all-reduce after each mixer and each MLP (Trunk.collectives).
+  tensors    torch.distributed (NCCL on CUDA, gloo on the CPU): all-reduces (Trunk.collectives): each step's
+             embedded rows (each rank's share of the vocabulary), one after each mixer and each MLP, and the
+             joint head's option rows of the LM-head table.
 
 Lock-step. Every call has a fixed schedule of collectives (collective_schedule). A rank whose call raises part
 way (an out-of-memory, an error of its own) still makes the rest of that call's collectives, with zeros
@@ -100,14 +102,14 @@ class StepFailedOnRank(ClefError):
 
 
 def collective_schedule(call: str, rows: int, hidden: int, num_layers: int, dtype: torch.dtype) -> list:
-    """The collectives one call makes, in order, as (kind, shape, dtype): a forward broadcasts rank 0's embedded
-    rows (fp32) and all-reduces each mixer's and each MLP's output (serving dtype); an MLP replay all-reduces its
-    output; the other calls make none."""
+    """The collectives one call makes, in order, as (kind, shape, dtype): a forward all-reduces the ranks' shares
+    of its embedded rows (fp32) and each mixer's and each MLP's output (serving dtype); an MLP replay and a
+    lookup of vocabulary rows all-reduce their output; the other calls make none."""
     if call == "forward":
-        return [("broadcast", (rows, hidden), torch.float32)] + [("all_reduce", (rows, hidden), dtype)] * (
+        return [("all_reduce", (rows, hidden), torch.float32)] + [("all_reduce", (rows, hidden), dtype)] * (
             2 * num_layers
         )
-    if call == "mlp":
+    if call in ("mlp", "vocab_rows"):
         return [("all_reduce", (rows, hidden), dtype)]
     return []
 
@@ -130,11 +132,6 @@ class _Collectives:
 
         self._run("all_reduce", tensor, lambda t: dist.all_reduce(t, group=self.group, async_op=True))
         return tensor
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        self._run("broadcast", tensor, lambda t: dist.broadcast(t, src=0, group=self.group, async_op=True))
 
     def drain(self) -> None:
         """The rest of the call's collectives with zeros: this rank failed part way, the others must not wait."""
@@ -200,10 +197,12 @@ def _await(done: Callable[[], bool], deadline: float, what: str) -> None:
 
 
 def _batch_message(batch) -> dict:
-    """A ChunkBatch as host tensors (the workers rebuild it on their device; no embedding overrides: rank 0
-    embeds)."""
+    """A ChunkBatch as host tensors (the workers rebuild it on their device): the rows image features replace,
+    not the features (rank 0 adds them; the workers' share of those rows is zeros)."""
     fields = ("input_ids", "positions", "cu_seqlens", "state_slots", "has_initial_state", "slot_mapping")
     message = {name: getattr(batch, name).cpu() for name in fields + ("block_tables", "context_lens")}
+    if batch.override_rows is not None:
+        message["override_rows"] = batch.override_rows.cpu()
     message["q_lens"], message["context_lengths"] = batch.q_lens, batch.context_lengths
     return message
 
@@ -225,6 +224,9 @@ def _message(trunk, call: str, args) -> tuple:
     if call == "mlp":
         index, h = args
         return (call, trunk.ops_name, h.shape[0], index, h.cpu())
+    if call == "vocab_rows":
+        table, ids = args
+        return (call, trunk.ops_name, ids.shape[0], table, ids.cpu())
     if call == "copy_slot":
         cache, destination, source = args
         return (call, trunk.ops_name, 0, cache.name, destination, source)
@@ -253,8 +255,17 @@ class TensorParallel:
         self.answered: list = []  # what each worker answered to the last call (a self-check's report)
 
     # ---- start-up ------------------------------------------------------------------------------------
-    def launch(self, release: str | Path, device: torch.device, dtype: torch.dtype, quantize: str) -> None:
-        """Start the workers: each loads its shard and runs its self-check while rank 0 loads its own."""
+    def launch(
+        self,
+        release: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantize: str,
+        vocab_tables: str,
+        vocab_split: list[tuple[int, int]],
+    ) -> None:
+        """Start the workers: each loads its shard, its rows of the vocabulary tables (vocab_split[rank], where
+        `vocab_tables` says) included, while rank 0 loads its own."""
         import torch.distributed as dist
 
         self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False)
@@ -279,6 +290,10 @@ class TensorParallel:
                     str(dtype).removeprefix("torch."),
                     "--quantize",
                     quantize,
+                    "--vocab-tables",
+                    vocab_tables,
+                    "--vocab-rows",
+                    "{}:{}".format(*vocab_split[rank]),
                     "--timeout",
                     str(self.timeout),
                 ]
@@ -492,11 +507,6 @@ def _join(rank: int, size: int, store, device: torch.device, timeout: float):
     return dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout + grace))
 
 
-def _nbytes(weight) -> int:
-    parts = (weight.qweight, weight.scale) if hasattr(weight, "qweight") else (weight,)
-    return sum(t.numel() * t.element_size() for t in parts)
-
-
 # ---- the worker process ----------------------------------------------------------------------------------
 def _worker_ops(rank: int):
     """The op library a worker's fast trunk starts on: clef_cuda.ops guarded (a launch failure routed to the
@@ -521,7 +531,7 @@ def worker_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="clef_cuda.serving.tensor_parallel")
     for name in ("--rank", "--size", "--port", "--control-fd", "--parent"):
         parser.add_argument(name, type=int, required=True)
-    for name in ("--release", "--device", "--dtype", "--quantize"):
+    for name in ("--release", "--device", "--dtype", "--quantize", "--vocab-tables", "--vocab-rows"):
         parser.add_argument(name, required=True)
     parser.add_argument("--timeout", type=float, default=TP_TIMEOUT_S)
     args = parser.parse_args(argv)
@@ -542,6 +552,7 @@ def _worker(args, channel: Connection) -> int:
 
     from clef_cuda import reference
     from clef_cuda.model.config import load_release_config
+    from clef_cuda.model.footprint import tensor_bytes
     from clef_cuda.model.shard import Shard, local_config
     from clef_cuda.model.trunk import Trunk
     from clef_cuda.model.weights import load_release_weights
@@ -562,15 +573,16 @@ def _worker(args, channel: Connection) -> int:
             dtype,
             progress=False,
             quantize=args.quantize,
-            shard=Shard(args.rank, args.size),
+            vocab_tables=args.vocab_tables,
+            shard=Shard(args.rank, args.size, tuple(int(n) for n in args.vocab_rows.split(":"))),
         )
         ops_ = GuardedOps(base_ops, on_failure=lambda kernel, why: news.__setitem__(kernel, why))
         trunk = Trunk(local_config(config.trunk, args.size), weights.trunk, dtype, ops=ops_)
     except Exception as error:
         channel.send_bytes(pickle.dumps(("failed", f"loading its shard: {first_line(error, 400)}")))
         return EXIT_WORKER_FAILED
-    shard_bytes = sum(_nbytes(t) for t in weights.trunk.values() if t is not None)
-    ready = f"{shard_bytes / 2**20:.1f} MiB of trunk weights"
+    layers, tables = tensor_bytes(trunk.layers, trunk.final_scale), tensor_bytes(trunk.embed, trunk.lm_head)
+    ready = f"{layers / 2**20:.1f} MiB of trunk weights, {tables / 2**20:.1f} MiB of vocabulary rows"
     channel.send_bytes(pickle.dumps(("ready", ready)))
     store = dist.TCPStore(
         "127.0.0.1", args.port, args.size, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
@@ -599,6 +611,9 @@ def _worker(args, channel: Connection) -> int:
                 elif call == "mlp":
                     index, h = rest
                     on.mlp(index, h.to(device))
+                elif call == "vocab_rows":
+                    table, ids = rest
+                    on.vocab_rows(table, ids.to(device))
                 elif call == "copy_slot":
                     name, destination, source = rest
                     on.copy_slot(caches[name], destination, source)
