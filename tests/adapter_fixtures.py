@@ -1,7 +1,7 @@
 """Variants made at test time with clef-finetune's own train and merge (peft pinned in
-requirements-dev.txt): two small LoRA checkpoints on the upstream tiny release, one on every module and
-one on a subset (the delta net's qkv without z, attention's q/k/v, no MLP), and clef-finetune's fp32 merge
-of each: the oracle."""
+requirements-dev.txt): two small LoRA checkpoints on the upstream tiny release (or another base: BASES), one on
+every module and one on a subset (the delta net's qkv without z, attention's q/k/v, no MLP), and
+clef-finetune's fp32 merge of each: the oracle."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from releases import tiny_release
+from releases import clef_ratio_release, tiny_release
 
 VARIANTS = {
     "all": None,  # every linear layer of the text decoder
     "subset": ["in_proj_qkv", "in_proj_b", "in_proj_a", "q_proj", "k_proj", "v_proj"],
 }
+BASES = {"upstream-tiny": tiny_release, "clef-ratio": clef_ratio_release}  # clef-ratio: clef 27B's ratios
 
 
 def _records(seed: int) -> list[dict]:
@@ -62,17 +63,17 @@ def _clef_finetune(*args: str, cwd: Path) -> None:
 
 
 @functools.cache
-def checkpoint(variant: str) -> Path:
-    """clef-finetune train on the tiny release: a checkpoint-N directory (adapter/, joint_head, ...)."""
+def checkpoint(variant: str, base: str = "upstream-tiny") -> Path:
+    """clef-finetune train on the base release: a checkpoint-N directory (adapter/, joint_head, ...)."""
     import yaml
 
-    work = Path(tempfile.mkdtemp(prefix=f"clef-adapter-{variant}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"clef-adapter-{variant}-{base}-"))
     (work / "train.jsonl").write_text("\n".join(json.dumps(r) for r in _records(len(variant))))
     lora = {"r": 8, "alpha": 16}
     if VARIANTS[variant]:
         lora["include_suffixes"] = VARIANTS[variant]
     config = {
-        "model": {"path": str(tiny_release()), "dtype": "float32"},
+        "model": {"path": str(BASES[base]()), "dtype": "float32"},
         "data": {"train": "train.jsonl", "max_length": 4096},
         "lora": lora,
         "train": {
@@ -94,15 +95,15 @@ def checkpoint(variant: str) -> Path:
 
 
 @functools.cache
-def merged(variant: str) -> Path:
+def merged(variant: str, base: str = "upstream-tiny") -> Path:
     """clef-finetune's fp32 merge of the checkpoint: a full release, the reference's input."""
-    out = Path(tempfile.mkdtemp(prefix=f"clef-merged-{variant}-")) / "release"
+    out = Path(tempfile.mkdtemp(prefix=f"clef-merged-{variant}-{base}-")) / "release"
     _clef_finetune(
         "merge",
         "--model",
-        str(tiny_release()),
+        str(BASES[base]()),
         "--checkpoint",
-        str(checkpoint(variant)),
+        str(checkpoint(variant, base)),
         "--output",
         str(out),
         "--dtype",

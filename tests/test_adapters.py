@@ -20,7 +20,7 @@ from live import wait_until
 from parity import INT8_BOUNDS, PARITY_BOUND, assert_response_matches, reference_response
 from prometheus_client.parser import text_string_to_metric_families
 from random_requests import random_request
-from releases import reference_model, tiny_release
+from releases import clef_ratio_release, reference_model, tiny_release
 
 from app.server import ServerSettings, create_app
 from clef_cuda import Decider
@@ -104,6 +104,23 @@ def test_unmerged_variants_match_clef_finetunes_fp32_merge(served, capture, vari
         body, ours = decide(served, request, variant, capture)
         assert body["usage"]["input_tokens"] > 1000 and body["model"] == variant
         assert worst(ours, reference_probabilities(merged(variant), request)) < PARITY_BOUND
+
+
+def test_a_variant_of_a_clef_27b_ratio_base_matches_its_merge(capture):
+    """clef 27B's ratios (GQA 6, 3 value heads a key head, its MLP ratio): a variant on every module, unmerged,
+    against the reference on clef-finetune's fp32 merge."""
+    base = Decider.from_release(clef_ratio_release(), device="cpu", progress=False)
+    registry = AdapterRegistry(base.config, base.trunk.lm_head, base.trunk.dtype)
+    registry.load("all", checkpoint("all", "clef-ratio"))
+    engine = make_engine(base, registry)
+    engine.start()
+    try:
+        for seed in range(2):
+            request = long_request(seed)
+            _, ours = decide(engine, request, "all", capture)
+            assert worst(ours, reference_probabilities(merged("all", "clef-ratio"), request)) < PARITY_BOUND
+    finally:
+        engine.stop(30)
 
 
 def test_variants_work_unchanged_over_an_int8_base(capture):

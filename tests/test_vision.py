@@ -12,7 +12,7 @@ import torch
 from images import data_url, png, processor_cases
 from parity import PARITY_BOUND, assert_answers_match, reference_response
 from random_requests import random_request
-from releases import reference_model, tiny_release, vision_release
+from releases import clef_ratio_release, reference_model, tiny_release, vision_release
 
 from clef_cuda import Decider
 from clef_cuda.decider import request_images
@@ -148,6 +148,18 @@ def test_random_requests_with_0_to_4_images_match_the_reference(pair):
     for seed in range(10):
         images = [data_url(png(rng.randint(16, 420), rng.randint(16, 320), seed * 10 + i)) for i in range(seed % 5)]
         request = request_with(images, seed=seed)
+        record, probabilities = ours(decider, request)
+        theirs, expected = reference_probabilities(reference, request)
+        assert record.input_ids == theirs.input_ids
+        assert worst(probabilities, expected) < PARITY_BOUND, seed
+
+
+def test_clef_27b_ratios_with_images_match_the_reference():
+    """The tower's features into a trunk of clef 27B's ratios (GQA 6, 3 value heads a key head)."""
+    path = clef_ratio_release()
+    decider, reference = Decider.from_release(path, device="cpu", progress=False), reference_model(path)
+    for seed in range(3):
+        request = request_with([data_url(png(64 + 40 * seed, 96, seed)) for _ in range(seed + 1)], seed=seed)
         record, probabilities = ours(decider, request)
         theirs, expected = reference_probabilities(reference, request)
         assert record.input_ids == theirs.input_ids
