@@ -503,13 +503,9 @@ def make_plan(args, quantize: str | None = None, vocab_tables: str | None = None
         head_dtype = getattr(torch, DTYPES[args.adapter_head_dtype])
         reserved = adapter_pool_bytes(config, dtype, args.max_adapters, args.max_adapter_rank, head_dtype)
     tables = vocab_tables or (args.vocab_tables if args.vocab_tables != "auto" else "device")
+    planner = plan_serving
     if args.tensor_parallel_size > 1:  # every rank's plan, on cards like this one
-        from clef_cuda.model.shard import check_shardable
-
-        check_shardable(config.trunk, args.tensor_parallel_size)
         planner = functools.partial(plan_tensor_parallel, ranks=args.tensor_parallel_size)
-    else:
-        planner = plan_serving
     plan = planner(
         args.weights,
         config,

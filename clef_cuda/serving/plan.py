@@ -297,7 +297,7 @@ class ServingPlan:
         if self.problem is not None:
             return line + f": does NOT fit: {self.problem}"
         if self.cache is None:
-            return line + "; fits by itself (rank 0 does not)"
+            return line + "; its load fits (rank 0 does not fit)"
         spare = self.device_bytes - self.needed_bytes - self.cache.allocated_bytes
         return line + f"; rank 0's cache fits, {_size(spare)} to spare"
 
@@ -416,8 +416,9 @@ def plan_tensor_parallel(
 ) -> ServingPlan:
     """`ranks` cards of device_bytes each (config: the whole release's): rank 0's plan, the other ranks' in its
     other_ranks. Every rank allocates the state slots and KV blocks rank 0's plan sizes (the engine sizes them
-    on rank 0), so a rank fits when its load fits and its weights, that cache and a step's activations do; the
-    first rank that does not is rank 0's problem. options: plan_serving's."""
+    on rank 0; a rank's own --kv-fraction split does not matter), so a rank fits when its load fits and its
+    weights, that cache and a step's activations do; the first rank that does not is rank 0's problem.
+    options: plan_serving's."""
     from clef_cuda.model.shard import local_config
 
     local = dataclasses.replace(config, trunk=local_config(config.trunk, ranks))
@@ -430,12 +431,13 @@ def plan_tensor_parallel(
     )
     checked = []
     for other in others:
-        problem = other.problem
-        if problem is None and first.cache is not None:
-            spare = other.device_bytes - other.needed_bytes - first.cache.allocated_bytes
-            if spare < 0:
-                problem = f"it cannot hold rank 0's cache beside its weights ({-spare / GiB:.2f} GiB short)"
-        other = dataclasses.replace(other, cache=first.cache if problem is None else other.cache, problem=problem)
+        problem = None
+        if other.load_peak_bytes > other.device_bytes:
+            problem = f"loading needs {other.load_peak_bytes / GiB:.2f} GiB at its peak"
+        elif first.cache is not None and other.device_bytes < other.needed_bytes + first.cache.allocated_bytes:
+            short = other.needed_bytes + first.cache.allocated_bytes - other.device_bytes
+            problem = f"it cannot hold rank 0's cache beside its weights and a step ({short / GiB:.2f} GiB short)"
+        other = dataclasses.replace(other, cache=first.cache, problem=problem)
         checked.append(other)
         if first.problem is None and problem is not None:
             first = dataclasses.replace(first, problem=f"rank {other.rank}: {problem}")
