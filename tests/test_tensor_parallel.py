@@ -19,9 +19,10 @@ import httpx
 import psutil
 import pytest
 import torch
-from parity import INT8_BOUNDS, assert_answers_match
+from live import clef_serve_process
+from parity import INT8_BOUNDS, assert_answers_match, assert_response_matches, reference_response
 from random_requests import random_request
-from releases import clef_ratio_release, flash_config_release, tiny_release, tp4_release
+from releases import clef_ratio_release, flash_config_release, reference_model, tiny_release, tp4_release
 from tp_worker_faults import ARMED_ENV, FAULT_ENV, rank0_ops
 
 from clef_cuda import Decider
@@ -271,6 +272,20 @@ def clef_serve(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=300, cwd=ROOT, **kwargs
     )
+
+
+def test_clef_serve_over_two_ranks_answers_a_clef_27b_ratio_release_as_the_reference():
+    """The whole path at TP=2 on clef 27B's ratios (the CLI, the plan, every rank's self-check and autotune, the
+    engine, HTTP), a request with an image: the reference's response, by tests/parity.py's rules."""
+    from images import data_url, png
+
+    release = clef_ratio_release()
+    request = random_request(random.Random(9), null_score_levels=False, state_words=(20, 80))
+    request = request | {"model": "clef-flash", "images": [data_url(png(96, 64, 3))]}
+    with clef_serve_process("--w", str(release), "--d", "cpu", "--tp", "2", ready_timeout=300) as (url, _, _):
+        response = httpx.post(url + "/v1/systemone", json=request, timeout=120)
+    assert response.status_code == 200, response.text
+    assert_response_matches(response.json(), *reference_response(reference_model(release), request))
 
 
 def test_the_self_check_passes_on_every_rank_when_rank_0_holds_no_vocabulary_rows():
