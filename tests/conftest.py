@@ -83,11 +83,13 @@ def sim_ops():
 
 
 @contextlib.contextmanager
-def simulated(compute_capability: int | None = None, fault: str | None = None):
-    """The simulator's device set to a compute capability and/or with a test-only fault on, then restored."""
+def simulated(compute_capability: int | None = None, fault: str | None = None, block_order: str | None = None):
+    """The simulator's device set to a compute capability, with a test-only fault on, and/or running a grid's
+    blocks in another order ("first-last"; the default "last-first"), then restored."""
     sim = torch.ops.clef_sim
     saved_cc = sim.set_compute_capability(compute_capability) if compute_capability else None
     saved_fault = sim.set_fault(fault) if fault else None
+    saved_order = sim.set_block_order(block_order) if block_order else None
     try:
         yield
     finally:
@@ -95,6 +97,8 @@ def simulated(compute_capability: int | None = None, fault: str | None = None):
             sim.set_compute_capability(saved_cc)
         if saved_fault is not None:
             sim.set_fault(saved_fault)
+        if saved_order is not None:
+            sim.set_block_order(saved_order)
 
 
 def cpu_isas() -> list[str]:

@@ -32,8 +32,8 @@ HEADS = {
 # The tensor-core kernel's head dims, with GQA 4, 2, 1 and 8 or 16 (64-row tiles of 16, 32, 64 and 8 or 4
 # tokens); in the simulator a chunk after a cached prefix that spans two query tiles and three key tiles.
 WMMA_HEADS = {
-    "cuda": [(16, 4, 256, 16), (8, 8, 64, 32), (4, 2, 128, 16), (16, 1, 128, 16)],
-    "sim": [(4, 1, 256, 16), (4, 2, 64, 8), (2, 2, 128, 4), (16, 2, 64, 16)],
+    "cuda": [(16, 4, 256, 16), (8, 8, 64, 32), (4, 2, 128, 16), (16, 1, 128, 16), (24, 4, 256, 16)],
+    "sim": [(4, 1, 256, 16), (4, 2, 64, 8), (2, 2, 128, 4), (16, 2, 64, 16), (6, 1, 64, 8)],
 }
 WMMA_SEQUENCES = {
     "cuda": SEQUENCES["cuda"] + [(300, 1000)],
@@ -163,6 +163,17 @@ def test_wmma_kernel_matches_reference(cuda_kernels, dtype):
     assert not attention_failures(cuda_kernels, dtype, heads, sequences, kernel="wmma")
 
 
+@pytest.mark.parametrize("order", ["first-last", "last-first"])
+@pytest.mark.parametrize("kernel", ["simt", "wmma", "wmma2"])
+def test_dead_rows_of_gqa_6_write_nothing_whichever_block_runs_first(sim_ops, kernel, order):
+    """clef 27B's GQA 6 does not divide a tile's 16 or 64 rows: each tile's last rows are dead, and must write
+    nothing, or a block overwrites the first token of the next tile's heads. A GPU runs blocks in any order,
+    so the simulator runs them both ways (in one of them the owner would write last and hide it)."""
+    sim = Backend("sim", sim_ops, torch.device("cpu"))
+    with simulated(block_order=order):
+        assert not attention_failures(sim, torch.float16, [(6, 1, 64, 8)], [(25, 25), (12, 40)], kernel=kernel)
+
+
 @pytest.mark.parametrize("fault", WMMA_FAULTS)
 def test_the_wmma_tests_catch_an_injected_fault(sim_ops, fault):
     """The tensor-core kernel with one test-only bug (WMMA_FAULTS) fails test_wmma_kernel_matches_reference
@@ -285,8 +296,8 @@ def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
     assert dispatch(q_lens=(4, 3), contexts=(9, 4)) == "simt"
     assert dispatch(q_lens=(1, 1, 1), contexts=(40, 17, 1)) == "simt"
     assert dispatch(hq=2, hkv=2, d=128, q_lens=(16,), contexts=(16,)) == "wmma"
-    assert dispatch(hq=12, hkv=1, d=64) == "simt"  # GQA 12 does not divide the 64-row tile
-    assert dispatch(hq=6, hkv=1, d=256) == "simt"  # nor does clef 27B's GQA 6
+    assert dispatch(hq=12, hkv=1, d=64) == "wmma"  # GQA 12: 5 tokens in the 64-row tile, 4 rows dead
+    assert dispatch(hq=6, hkv=1, d=256) == "wmma"  # clef 27B's GQA 6: 10 tokens, 4 rows dead
     assert dispatch(wide=1) == "simt"  # a query view 2 bytes off 16-byte alignment
     assert dispatch(kernel="simt") == "simt" and dispatch(q_lens=(1,), contexts=(9,), kernel="wmma") == "wmma"
     with pytest.raises(ValueError, match="f16 or bf16"):

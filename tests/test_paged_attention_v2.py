@@ -20,14 +20,14 @@ from clef_cuda import reference
 
 KERNEL = "wmma2"
 # (Hq, Hkv, D, block_size): head dims 64, 128, 256 at GQA 4, 2, 1 and 8, block sizes 4..16.
-HEADS = [(4, 1, 256, 16), (4, 2, 64, 8), (2, 2, 128, 4), (16, 2, 64, 16)]
+HEADS = [(4, 1, 256, 16), (4, 2, 64, 8), (2, 2, 128, 4), (16, 2, 64, 16), (6, 1, 64, 8)]  # GQA 6: clef 27B's
 # One pack: a fresh prefill, a chunk after a cached prefix, a decode token, a chunk spanning two query
 # tiles and three key tiles; no context a multiple of the key tile, every sequence's pages scattered.
 PACK = [(9, 9), (3, 40), (1, 17), (20, 70)]
 # A long-ish record with a decode token beside it: a grid of 4 CTAs (GQA 4) or fewer, far below the
 # simulated V100's 80 SMs, so the split-context pass runs; the record's CTAs get 3 to 6 parts of 2 or
 # more key tiles each, the decode token's CTA one.
-SPLIT_HEADS = [(4, 1, 256, 16), (8, 4, 128, 8), (2, 2, 64, 16)]
+SPLIT_HEADS = [(4, 1, 256, 16), (8, 4, 128, 8), (2, 2, 64, 16), (12, 2, 64, 16)]
 SPLIT_PACK = [(20, 200), (1, 9)]
 TENSOR_CORE_CARDS = {70: "V100", 75: "T4", 80: "A100", 90: "H100"}
 CASES = [

@@ -153,6 +153,17 @@ CLEF_HD SoftmaxStep softmax_step(float m_old, float tile_max) {
 constexpr int kAttnRows = 16;      // SIMT kernel
 constexpr int kWmmaWarps = 4;      // tensor-core kernel: one warp per 16 rows
 constexpr int kWmmaRows = 16 * kWmmaWarps;
+constexpr int kMaxGroup = 16;      // query heads a KV head: every kernel takes 1 .. 16
+constexpr int kDeadRowToken = 1 << 30;  // past any sequence's queries
+
+// Row r of a kernel's tile (16 or 64 rows, tile_tokens = rows / group) that starts at token q0 is token
+// q0 + r / group (query head r % group of the KV group). A group that does not divide the tile (clef 27B's
+// GQA 6: 10 tokens in 64 rows, 2 in 16) leaves the last rows dead: they get a token past every sequence's
+// queries, so the kernels' own "past the queries" tests give them no query, no key and no output.
+CLEF_HD int tile_row_token(int q0, int r, int group, int tile_tokens) {
+  const int token = r / group;  // tile_tokens = tile_rows / group: the tile's own tokens
+  return token < tile_tokens ? q0 + token : kDeadRowToken;
+}
 
 // ---- tile configurations: chosen from the device's shared memory ---------------------------------
 // Each kernel has a few instantiated key-tile sizes per head dim; the launcher runs the largest whose
@@ -247,8 +258,8 @@ CLEF_HD const char* tensor_core_attention_unsupported(const PagedAttentionParams
   if (kind == ScalarKind::BF16 && device.cc < 80) return "bf16 tensor cores need sm_80 or newer (serve V100s in f16)";
   if (!paged_attention_wmma_head_dim(p.head_dim)) return "the tensor-core kernel is compiled for head dims 64, 128 and 256";
   if (tile_keys == 0) return "no tensor-core tile of this head dim fits the device's shared memory per block";
-  if (p.num_kv_heads <= 0 || kWmmaRows % (p.num_q_heads / p.num_kv_heads) != 0)
-    return "the tensor-core kernel needs num_q_heads / num_kv_heads to divide its 64-row tile";
+  if (p.num_kv_heads <= 0 || p.num_q_heads / p.num_kv_heads > kMaxGroup)
+    return "the tensor-core kernel takes at most 16 query heads a KV head";
   if (!aligned_16_bytes(p.query) || p.query_token_stride % 8 != 0 || p.query_head_stride % 8 != 0 ||
       !aligned_16_bytes(p.key_cache) || !aligned_16_bytes(p.value_cache))
     return "the tensor-core kernel needs 16-byte aligned query rows and caches (query strides multiples of 8)";

@@ -60,11 +60,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedA
   static_assert((kAttnRows * D) % kAttnThreads == 0, "output tile must split evenly over the threads");
   static_assert(KEYS % kAttnRowLanes == 0 && KEYS <= kAttnThreads, "a key tile must split over a row's lanes");
 
-  // At most kAttnRows (checked by the host entry). A group that does not divide the tile (GQA 6: 2 tokens, 12
-  // rows) leaves its last kAttnRows - live_rows rows dead: no query, no key, no output.
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int tile_tokens = kAttnRows / group;
-  const int live_rows = tile_tokens * group;
+  const int group = p.num_q_heads / p.num_kv_heads;  // at most kAttnRows (checked by the host entry)
+  const int tile_tokens = kAttnRows / group;  // a group that does not divide the tile leaves rows dead (tile_row_token)
   const int kv_head = blockIdx.y;
   const int b = blockIdx.z;
   const AttnSeq s = attn_sequence(p, b);
@@ -86,13 +83,12 @@ __global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedA
   T* out = static_cast<T*>(p.out);
   const int tid = threadIdx.x;
 
-  // Row r < live_rows of the tile is query token q0 + r / group, query head kv_head * group + r % group.
+  // Row r of the tile is query token q0 + r / group, query head kv_head * group + r % group.
   for (int e = tid; e < kAttnRows * D; e += kAttnThreads) {
     const int r = e / D, d = e % D;
-    const int qi = q0 + r / group;
+    const int qi = tile_row_token(q0, r, group, tile_tokens);
     const int head = kv_head * group + r % group;
-    const bool row = r < live_rows && qi < s.q_len;
-    q_s[r * QS + d] = row ? to_f32(query[attn_query_offset(s.q_start + qi, head, p) + d]) * p.scale : 0.0f;
+    q_s[r * QS + d] = qi < s.q_len ? to_f32(query[attn_query_offset(s.q_start + qi, head, p) + d]) * p.scale : 0.0f;
   }
   // Keys this tile may need: up to the causal position of its last token.
   const int kv_end = attn_query_position(s, min_int(q0 + tile_tokens, s.q_len) - 1) + 1;
@@ -100,8 +96,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedA
   // Scoring layout: row sr, keys sl + 8 m.
   const int sr = tid / kAttnRowLanes;
   const int sl = tid % kAttnRowLanes;
-  const int s_qi = q0 + sr / group;
-  const int s_pos = sr < live_rows && s_qi < s.q_len ? attn_query_position(s, s_qi) : -1;
+  const int s_qi = tile_row_token(q0, sr, group, tile_tokens);
+  const int s_pos = s_qi < s.q_len ? attn_query_position(s, s_qi) : -1;
   float m_run = kNegInf, l_run = 0.0f;
   float acc[OUT_PER_THREAD];
 #pragma unroll
@@ -165,8 +161,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedA
   for (int i = 0; i < OUT_PER_THREAD; ++i) {
     const int e = tid + kAttnThreads * i;
     const int r = e / D, d = e % D;
-    const int qi = q0 + r / group;
-    if (r >= live_rows || qi >= s.q_len) continue;
+    const int qi = tile_row_token(q0, r, group, tile_tokens);
+    if (qi >= s.q_len) continue;
     const int head = kv_head * group + r % group;
     // A row that saw no key (only possible with inconsistent metadata) is written as zeros.
     const float value = l_s[r] > 0.0f ? acc[i] / l_s[r] : 0.0f;
@@ -208,9 +204,10 @@ __device__ __forceinline__ void stage_query_rows(T* q_s, const PagedAttentionPar
                                                  int group, int kv_head) {
   constexpr int VEC = 8;  // elements per 16-byte copy
   const T* query = static_cast<const T*>(p.query);
+  const int tile_tokens = kWmmaRows / group;
   for (int e = threadIdx.x; e < kWmmaRows * (D / VEC); e += THREADS) {
     const int r = e / (D / VEC), c = (e % (D / VEC)) * VEC;
-    const int qi = q0 + r / group;
+    const int qi = tile_row_token(q0, r, group, tile_tokens);
     T* dst = q_s + r * ROW_STRIDE + c;
     if (qi < s.q_len)
       copy16(dst, query + attn_query_offset(s.q_start + qi, kv_head * group + r % group, p) + c);
@@ -291,8 +288,8 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
   constexpr int VEC = 8;            // elements per 16-byte copy
   constexpr int ELEMS = Accumulator::num_elements;
 
-  const int group = p.num_q_heads / p.num_kv_heads;  // divides kWmmaRows (paged_attention_wmma_unsupported)
-  const int tile_tokens = kWmmaRows / group;
+  const int group = p.num_q_heads / p.num_kv_heads;  // at most kMaxGroup (paged_attention_wmma_unsupported)
+  const int tile_tokens = kWmmaRows / group;  // a group that does not divide the tile leaves rows dead (tile_row_token)
   const int kv_head = blockIdx.y;
   const int b = blockIdx.z;
   const AttnSeq s = attn_sequence(p, b);
@@ -324,15 +321,16 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
   // Keys the CTA may need (up to the causal position of its last token) and the ones this warp's rows
   // may need: a warp skips the products of a tile wholly past its rows' positions.
   const int kv_end = attn_query_position(s, min_int(q0 + tile_tokens, s.q_len) - 1) + 1;
-  const int warp_first_token = q0 + 16 * warp / group;
+  const int warp_first_token = tile_row_token(q0, 16 * warp, group, tile_tokens);
   const bool warp_live = warp_first_token < s.q_len;
   const int warp_kv_end =
-      warp_live ? attn_query_position(s, min_int(q0 + (16 * warp + 15) / group, s.q_len - 1)) + 1 : 0;
+      warp_live ? attn_query_position(s, min_int(tile_row_token(q0, 16 * warp + 15, group, tile_tokens), s.q_len - 1)) + 1
+                : 0;
 
   // Softmax layout: lanes 2r and 2r+1 share row 16 warp + r, keys half + 2 m.
   const int row = 16 * warp + lane / 2;
   const int half = lane % 2;
-  const int row_token = q0 + row / group;
+  const int row_token = tile_row_token(q0, row, group, tile_tokens);
   const int row_pos = row_token < s.q_len ? attn_query_position(s, row_token) : -1;
   float m_run = kNegInf, l_run = 0.0f;
 
@@ -423,7 +421,7 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
   // Each 16 x 16 accumulator tile goes out through the warp's score rows as fp32 staging; lanes 2r, 2r+1
   // (which hold row r's l) normalise and write 8 columns of row r each.
   const int out_row = 16 * warp + lane / 2;
-  const int out_token = q0 + out_row / group;
+  const int out_token = tile_row_token(q0, out_row, group, tile_tokens);
   const int out_head = kv_head * group + out_row % group;
 #pragma unroll
   for (int j = 0; j < D_TILES; ++j) {
@@ -496,8 +494,8 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
   static_assert(16 * RS * 2 >= 2 * 256 * 4, "a pair's Q rows hold both warps' output staging");
   static_assert(kWmma2Warps / 2 <= kMaxBarrierGroups, "a named barrier (group_bar_sync) per warp pair");
 
-  const int group = p.num_q_heads / p.num_kv_heads;  // divides kWmmaRows (paged_attention_wmma2_unsupported)
-  const int tile_tokens = kWmmaRows / group;
+  const int group = p.num_q_heads / p.num_kv_heads;  // at most kMaxGroup (paged_attention_wmma2_unsupported)
+  const int tile_tokens = kWmmaRows / group;  // a group that does not divide the tile leaves rows dead (tile_row_token)
   const int kv_head = blockIdx.y;
   const int b = blockIdx.z / p.splits;
   const int split = blockIdx.z % p.splits;
@@ -544,15 +542,16 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
       accumulator_rows<Accumulator>(reinterpret_cast<float*>(wmma2_smem + Layout::kK) + 256 * warp, lane);
 
   // The pair's keys: a pair skips the products of a tile wholly past its rows' positions.
-  const int pair_first_token = q0 + 16 * pair / group;
+  const int pair_first_token = tile_row_token(q0, 16 * pair, group, tile_tokens);
   const bool pair_live = pair_first_token < s.q_len;
   const int pair_kv_end =
-      pair_live ? attn_query_position(s, min_int(q0 + (16 * pair + 15) / group, s.q_len - 1)) + 1 : 0;
+      pair_live ? attn_query_position(s, min_int(tile_row_token(q0, 16 * pair + 15, group, tile_tokens), s.q_len - 1)) + 1
+                : 0;
 
   // Softmax layout: lanes 2r and 2r+1 of both warps share row 16 pair + r, keys key_lane + 2 m.
   const int row = 16 * pair + lane / 2;
   const int key_lane = lane % 2;
-  const int row_token = q0 + row / group;
+  const int row_token = tile_row_token(q0, row, group, tile_tokens);
   const int row_pos = row_token < s.q_len ? attn_query_position(s, row_token) : -1;
   float m_run = kNegInf, l_run = 0.0f;
 
@@ -742,7 +741,7 @@ __global__ void __launch_bounds__(kSplitCombineThreads) paged_attention_split_co
   CLEF_DYNAMIC_SHARED(float, combine_smem);
   float* weight_s = combine_smem;                                // [64 rows][splits]: exp(m_s - m) / l
   const int tid = threadIdx.x;
-  if (tid < kWmmaRows && q0 + tid / group < s.q_len) {
+  if (tid < kWmmaRows && tile_row_token(q0, tid, group, tile_tokens) < s.q_len) {
     const int r = tid;
     float m = kNegInf;
     for (int part = 0; part < active_splits; ++part) m = max_f32(m, partials.max[(first_slot + part) * kWmmaRows + r]);
@@ -763,7 +762,7 @@ __global__ void __launch_bounds__(kSplitCombineThreads) paged_attention_split_co
   const int d_count = p.head_dim;
   for (int e = tid; e < kWmmaRows * d_count; e += kSplitCombineThreads) {
     const int r = e / d_count, d = e % d_count;
-    const int token = q0 + r / group;
+    const int token = tile_row_token(q0, r, group, tile_tokens);
     if (token >= s.q_len) continue;
     float value = 0.0f;
     for (int part = 0; part < active_splits; ++part)

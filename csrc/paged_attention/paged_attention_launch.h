@@ -24,8 +24,8 @@ void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind);
 constexpr bool paged_attention_cuda_supports_head_dim(int head_dim) {
   return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
-// Query heads per KV head must divide the CTA's 16 rows (clef-flash: 16 / 4 = 4).
-// The SIMT kernel's 16-row tile holds floor(16 / group) tokens of a KV group (GQA 6, clef 27B's: 2 tokens, 12 rows).
-constexpr bool paged_attention_cuda_supports_group(int group) { return group >= 1 && group <= 16; }
+// Query heads per KV head: 1 .. 16 (clef-flash 4, clef 27B 6; a group that does not divide a kernel's tile
+// leaves rows dead: tile_row_token).
+constexpr bool paged_attention_cuda_supports_group(int group) { return group >= 1 && group <= kMaxGroup; }
 
 }  // namespace clef

@@ -84,6 +84,8 @@ inline std::string active_fault;
 // SMs of the simulated device (torch.ops.clef_sim.set_multiprocessor_count): a V100's 80, so that the
 // small grids tests can afford in the simulator are the ones a launcher sizes its work up for.
 inline int multiprocessor_count = 80;
+// The order a grid's blocks run along x (set_block_order): the last first, or the first first.
+inline bool blocks_last_first = true;
 
 // The most shared memory one block may have on the simulated device, with the opt-in: the table the
 // compile check uses too (csrc/common/arch_limits.h; Pascal cannot opt in above the 48 KB default).
@@ -397,11 +399,13 @@ class Launch {
     last_launch_smem = static_cast<int64_t>(smem_);
     blockDim = block_;
     gridDim = grid_;
-    // A GPU runs a grid's blocks in any order: the last x first here, so a block that writes what a later
-    // block owns (its dead rows into the next tile's token, say) is caught, not overwritten by the owner.
+    // A GPU runs a grid's blocks in any order: along x the last first by default (blocks_last_first), and
+    // tests run both orders, so a block that writes what another block owns (its dead rows into the next
+    // tile's token, say) is caught, not overwritten by the owner running after it.
     for (unsigned bz = 0; bz < grid_.z; ++bz)
       for (unsigned by = 0; by < grid_.y; ++by)
-        for (unsigned bx = grid_.x; bx-- > 0;) run_block(uint3{bx, by, bz}, threads, args...);
+        for (unsigned i = 0; i < grid_.x; ++i)
+          run_block(uint3{blocks_last_first ? grid_.x - 1 - i : i, by, bz}, threads, args...);
   }
 
  private:

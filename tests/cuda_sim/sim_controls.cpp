@@ -66,6 +66,13 @@ int64_t set_multiprocessor_count(int64_t sms) {
   return previous;
 }
 
+std::string set_block_order(c10::string_view order) {
+  TORCH_CHECK_VALUE(order == "last-first" || order == "first-last", "set_block_order: last-first or first-last");
+  std::string previous = clef_sim::blocks_last_first ? "last-first" : "first-last";
+  clef_sim::blocks_last_first = order == "last-first";
+  return previous;
+}
+
 std::string set_fault(c10::string_view name) {
   std::string previous = clef_sim::active_fault;
   clef_sim::active_fault = std::string(name);
@@ -84,5 +91,6 @@ TORCH_LIBRARY_FRAGMENT(clef_sim, m) {
   m.def("set_compute_capability(int cc) -> int", &set_compute_capability);
   m.def("set_multiprocessor_count(int sms) -> int", &set_multiprocessor_count);
   m.def("set_fault(str name) -> str", &set_fault);
+  m.def("set_block_order(str order) -> str", &set_block_order);
   m.def("probe_named_barriers(str how) -> str", &probe_named_barriers);
 }
