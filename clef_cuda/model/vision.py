@@ -5,8 +5,9 @@ patch embedding (the Conv3d with kernel = stride is a GEMM over each 1536-float 
 position grid bilinearly resampled to each image's grid, 2D rotary in fp32, `depth` pre-norm blocks with
 bidirectional attention inside each image (SDPA per image over the packed rows: varlen), then the merger
 (LayerNorm per patch, 4 patches as one row, Linear, exact GELU, Linear). All images of a step go through
-every GEMM together, ROW_CHUNK patches at a time; only attention is per image and whole. Matrix multiplies run
-in the serving dtype; the residual stream, norms and rotary angles in fp32.
+every GEMM together, ROW_CHUNK patches at a time; attention runs ROW_CHUNK query rows at a time over their
+whole image's keys and values. Matrix multiplies run in the serving dtype; the residual stream, norms and
+rotary angles in fp32.
 """
 
 from __future__ import annotations
@@ -116,11 +117,11 @@ class VisionTower:
     def __call__(self, images: list[PreparedImage]) -> list[Tensor]:
         """Feature rows [num_tokens, out_hidden] per image (serving dtype), in <|image_pad|> order.
 
-        What holds every patch at once is the fp32 residual stream and each block's q, k, v and attention
-        output in the serving dtype (attention is over the whole image); everything row-wise (the patch
-        embedding, norms, the rotary's fp32 temporaries, the projections, the MLP, the merger) runs
-        ROW_CHUNK patches at a time, so the peak is bounded (clef_cuda.serving.plan.vision_peak_bytes counts
-        it) and a 16k-token image fits beside a small card's cache."""
+        What holds every patch at once is the fp32 residual stream and each block's q, k and v in the serving
+        dtype (attention is over the whole image); everything else (the patch embedding, norms, the rotary's
+        fp32 temporaries, the projections, attention's queries and output, the MLP, the merger) runs ROW_CHUNK
+        patches at a time, so the peak is bounded (clef_cuda.serving.plan.vision_peak_bytes counts it) and a
+        16k-token image fits beside a small card's cache."""
         if not images:
             return []
         c = self.config
@@ -138,7 +139,6 @@ class VisionTower:
             x[rows] += self._position_embedding(tap_rows[rows], tap_weights[rows]).float()
         head_dim = c.hidden_size // heads
         qkv = torch.empty(3, heads, n, head_dim, dtype=self.dtype, device=self.device)  # per head: SDPA's layout
-        attended = torch.empty(n, c.hidden_size, dtype=self.dtype, device=self.device)
         for block in self.blocks:
             for rows in _chunks(n):
                 part = F.linear(_layer_norm(x[rows], block.norm1).to(self.dtype), *block.qkv)
@@ -146,17 +146,15 @@ class VisionTower:
                 qkv[0, :, rows] = _rotate(q, cos[rows], sin[rows]).to(self.dtype).transpose(0, 1)
                 qkv[1, :, rows] = _rotate(k, cos[rows], sin[rows]).to(self.dtype).transpose(0, 1)
                 qkv[2, :, rows] = v.transpose(0, 1)
-            start = 0
-            for length in lengths:  # bidirectional within each image only
-                image = slice(start, start + length)
-                out = F.scaled_dot_product_attention(qkv[0:1, :, image], qkv[1:2, :, image], qkv[2:3, :, image])
-                attended[image] = out[0].transpose(0, 1).reshape(length, -1)
-                start += length
-            for rows in _chunks(n):
-                x[rows] += F.linear(attended[rows], *block.proj).float()
+            # The block's every q, k and v exist before any row's residual changes, so a chunk of one image's query
+            # rows finishes the block on its own (attention over the image's keys, projection, MLP): no
+            # attention output is ever held for the whole image.
+            for image, rows in _image_chunks(lengths):  # bidirectional within each image only
+                out = F.scaled_dot_product_attention(qkv[0:1, :, rows], qkv[1:2, :, image], qkv[2:3, :, image])
+                x[rows] += F.linear(out[0].transpose(0, 1).reshape(rows.stop - rows.start, -1), *block.proj).float()
                 h = _layer_norm(x[rows], block.norm2).to(self.dtype)
                 x[rows] += F.linear(F.gelu(F.linear(h, *block.fc1), approximate="tanh"), *block.fc2).float()
-        del qkv, attended
+        del qkv
         merge = c.spatial_merge_size**2
         out = torch.empty(n // merge, c.out_hidden_size, dtype=self.dtype, device=self.device)
         for rows in _chunks(n, multiple=merge):
@@ -173,6 +171,16 @@ ROW_CHUNK = 4096
 def _chunks(n: int, multiple: int = 1) -> list[slice]:
     step = ROW_CHUNK - ROW_CHUNK % multiple
     return [slice(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def _image_chunks(lengths: list[int]) -> list[tuple[slice, slice]]:
+    """(an image's rows, ROW_CHUNK of them) over packed images of `lengths` rows: a chunk never spans two images."""
+    pieces, start = [], 0
+    for length in lengths:
+        image = slice(start, start + length)
+        pieces += [(image, slice(start + rows.start, start + rows.stop)) for rows in _chunks(length)]
+        start += length
+    return pieces
 
 
 def _layer_norm(x: Tensor, weight_bias: tuple[Tensor, Tensor]) -> Tensor:
