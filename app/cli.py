@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=VOCAB_TABLES,
         default="auto",
         help="where the embedding and LM-head tables (2 x 248,320 rows for clef-flash) live: device, host (pinned "
-        "memory, the rows a step needs copied over), or auto (host when the plan does not fit with them on the device)",
+        "memory, the rows a step needs copied over), or auto (on a GPU: host when the plan fits only so or the cache "
+        "then holds more KV tokens)",
     )
     p.add_argument(
         "--plan",
@@ -260,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--vision-cache-mib",
         type=_positive_int,
         default=256,
-        help="device memory for vision-tower outputs kept by image digest (a repeated image skips the tower)",
+        help="device memory (rank 0's host memory under --tp) for vision-tower outputs kept by image digest (a "
+        "repeated image skips the tower)",
     )
     p.add_argument(
         "--adapter",
@@ -535,14 +537,16 @@ def make_plan(args, quantize: str | None = None, vocab_tables: str | None = None
 def check_plan(args, log) -> int | None:
     """--plan: print the plan, return its exit code. Otherwise: a plan that cannot fit raises ValueError
     (one line: the numbers, and whether int8 weights or host tables would fit); one that fits is logged.
-    --vocab-tables auto becomes host when only that fits (on a GPU)."""
+    --vocab-tables auto becomes host (on a GPU) when only that fits or the cache then holds more KV blocks
+    (clef_cuda.serving.plan.auto_vocab_tables)."""
+    from clef_cuda.serving.plan import auto_vocab_tables
+
     plan = make_plan(args)
     may_host = args.vocab_tables != "device" and plan.on_gpu
-    if not plan.fits and args.vocab_tables == "auto" and may_host:
-        hosted = make_plan(args, vocab_tables="host")
-        if hosted.fits:
-            log.info("--vocab-tables auto: the vocabulary tables go to host memory (the plan fits only so)")
-            plan = hosted
+    if args.vocab_tables == "auto" and may_host:
+        plan, why = auto_vocab_tables(plan, make_plan(args, vocab_tables="host"))
+        if why is not None:
+            log.info("--vocab-tables auto: the vocabulary tables go to host memory (%s)", why)
     args.vocab_tables = plan.vocab_tables
     hints = []
     if not plan.fits and args.quantize != "int8":

@@ -61,7 +61,7 @@ def main() -> int:
     from clef_cuda import ops
     from clef_cuda.model.config import load_release_config
     from clef_cuda.serving.engine import EngineConfig
-    from clef_cuda.serving.plan import GiB, plan_serving
+    from clef_cuda.serving.plan import GiB, auto_vocab_tables, plan_serving
 
     with tempfile.TemporaryDirectory() as tmp:
         release = flash_config_release(Path(tmp) / "clef-flash")
@@ -81,10 +81,9 @@ def main() -> int:
             )
 
         def auto(card_gib: float, dtype: str, quantize: str, **engine):
-            """--vocab-tables auto: on the device, else in host memory when only that fits."""
+            """--vocab-tables auto (clef_cuda.serving.plan.auto_vocab_tables)."""
             on_device = plan(card_gib, dtype, quantize, **engine)
-            hosted = plan(card_gib, dtype, quantize, "host", **engine)
-            return on_device if on_device.fits or not hosted.fits else hosted
+            return auto_vocab_tables(on_device, plan(card_gib, dtype, quantize, "host", **engine))[0]
 
         def cell(p) -> str:
             if not p.fits:

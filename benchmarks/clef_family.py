@@ -54,9 +54,9 @@ DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def plans(release: Path, engine, gib: float, count: int, dtype, quantize: str, image_max_pixels):
-    """--vocab-tables auto: the tables on the device when that fits, else in host memory."""
+    """--vocab-tables auto (clef_cuda.serving.plan.auto_vocab_tables)."""
     from clef_cuda.model.config import load_release_config
-    from clef_cuda.serving.plan import GiB, plan_serving, plan_tensor_parallel
+    from clef_cuda.serving.plan import GiB, auto_vocab_tables, plan_serving, plan_tensor_parallel
 
     config = load_release_config(release)
     options = dict(dtype=dtype, quantize=quantize, on_gpu=True, where="card", image_max_pixels=image_max_pixels)
@@ -66,8 +66,7 @@ def plans(release: Path, engine, gib: float, count: int, dtype, quantize: str, i
             return plan_serving(release, config, engine, int(gib * GiB), vocab_tables=tables, **options)
         return plan_tensor_parallel(release, config, engine, int(gib * GiB), count, vocab_tables=tables, **options)
 
-    on_device = plan("device")
-    return on_device if on_device.fits else plan("host")
+    return auto_vocab_tables(plan("device"), plan("host"))[0]
 
 
 def cell(p) -> str:

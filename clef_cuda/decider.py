@@ -126,7 +126,7 @@ class Decider:
         config = load_release_config(path)
         decision_options = DecisionOptions(**options)
         tokenizer = Tokenizer.from_release(path, decision_options.client_special_tokens)
-        shard = None
+        shard, has_vision = None, False
         if tensor_parallel is not None and tensor_parallel.size > 1:  # this process is rank 0
             from clef_cuda.model.footprint import release_has_vision, vocab_split
             from clef_cuda.model.shard import Shard, check_shardable
@@ -164,6 +164,8 @@ class Decider:
             raise
         head = JointSchemaHead(config.head, weights.head, weights.trunk["lm_head.weight"])
         vision = VisionTower(config.vision, weights.vision, dtype) if weights.vision is not None else None
+        if shard is not None and has_vision and not shard.holds_tower:  # another rank holds it and runs it
+            vision = tensor_parallel.vision_tower(trunk)
         processor = load_processor_config(path) if vision is not None else None
         return cls(config, trunk, head, tokenizer, decision_options, vision, processor)
 
@@ -195,7 +197,8 @@ class Decider:
         )
 
     def image_features(self, images: list[PreparedImage]) -> list[torch.Tensor]:
-        """The tower's output rows per image (serving dtype, on the device)."""
+        """The tower's output rows per image (serving dtype; on the device, or in host memory when another
+        tensor-parallel rank runs the tower)."""
         return self.vision(images) if images else []
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ from clef_cuda.model.footprint import planned_weights
 from clef_cuda.serving.engine import Engine, EngineConfig
 from clef_cuda.serving.plan import (
     GiB,
+    auto_vocab_tables,
     plan_cache,
     plan_serving,
     plan_tensor_parallel,
@@ -202,6 +203,12 @@ def test_clef_flash_needs_int8_on_16_gb_cards_and_fits_in_f16_on_32_gb_ones(flas
     assert plan(flash, 32).fits
     big_steps = plan(flash, 16, quantize="int8", prefill_chunk_size=16384)
     assert not big_steps.fits and "activations" in big_steps.problem
+    # --vocab-tables auto: a card whose cache is as large as the running records can use keeps the tables on it;
+    # one whose cache grows with them in host memory sends them there.
+    roomy = plan(flash, 80, vocab_tables="device"), plan(flash, 80, vocab_tables="host")
+    assert roomy[0].cache.num_blocks == roomy[1].cache.num_blocks and auto_vocab_tables(*roomy) == (roomy[0], None)
+    tight = plan(flash, 32, vocab_tables="device"), plan(flash, 32, vocab_tables="host")
+    assert tight[1].cache.num_blocks > tight[0].cache.num_blocks and auto_vocab_tables(*tight)[0] is tight[1]
 
 
 # What torch reports as the cards' total capacity (their OOM messages; benchmarks/card_plans.py cites them).
@@ -256,36 +263,47 @@ def balance(plan) -> float:
 
 
 def test_clef_27b_balanced_over_its_ranks_on_the_cards_people_own(clef):
-    """The seed's flags: rank 0 holds the tower and the head and so fewer vocabulary rows, within 1.15x of the
-    other ranks; every rank holds rank 0's cache. Two 24 GB cards hold clef 27B in int8 with 16k tokens a record;
-    two 32 GB V100s in f16 (more KV with the tables in host memory: as many as before the tables were split);
-    four 16 GB V100s in f16 at the hosted API's image size."""
+    """The seed's flags: rank 0 holds the head, the last rank the tower, and the vocabulary rows level the rest,
+    rank 0 within 1.15x of the other ranks; every rank holds rank 0's cache. Two 24 GB cards hold clef 27B in
+    int8 with 16k tokens a record; two 32 GB V100s in f16 (more KV with the tables in host memory, which
+    --vocab-tables auto then picks: as many as before the tables were split); four 16 GB V100s in f16."""
     two_l4 = ranks(clef, L4_GIB, 2, "int8")
     assert two_l4.fits and two_l4.cache.num_blocks * 16 >= 16384, two_l4.describe()
     assert balance(two_l4) <= 1.15
     (rank1,) = two_l4.other_ranks
     assert rank1.vocab_rows[0] == two_l4.vocab_rows[1] > 0 and rank1.vocab_rows[1] == 248_320
-    assert rank1.weights["vision"] == rank1.weights["head"] == 0 < two_l4.weights["vision"]
+    assert two_l4.weights["vision"] == rank1.weights["head"] == 0 < min(rank1.weights["vision"], two_l4.weights["head"])
     assert rank1.weights["trunk"] == two_l4.weights["trunk"] and rank1.cache == two_l4.cache
     two_v100 = ranks(clef, V100_32_GIB, 2)
     hosted = ranks(clef, V100_32_GIB, 2, vocab_tables="host")
     assert two_v100.fits and hosted.fits and balance(two_v100) <= 1.15
     assert hosted.cache.num_blocks * 16 >= 41_472 > two_v100.cache.num_blocks * 16 >= 16384
-    four = ranks(clef, V100_16_GIB, 4, image_max_pixels=HOSTED_IMAGE_PIXELS)
-    assert four.fits and four.cache.num_blocks * 16 >= 16384 and balance(four) <= 1.15, four.describe()
+    chosen, why = auto_vocab_tables(two_v100, hosted)
+    assert chosen is hosted and why.startswith("the cache holds"), why
+    four = ranks(clef, V100_16_GIB, 4)
+    assert four.fits and four.cache.num_blocks * 16 >= 21_600 and balance(four) <= 1.15, four.describe()
     assert len(four.other_ranks) == 3 and all(other.fits for other in four.other_ranks)
+    assert four.other_ranks[2].weights["vision"] > 0 and four.other_ranks[2].vision_activation_bytes > 0
 
 
-def test_clef_27b_in_int8_on_two_16_gb_v100s_needs_more_than_the_seeds_kv_fraction(clef):
-    """The arithmetic: each rank holds 11.4 GiB of int8 trunk, 0.17 GiB of scratch and 0.75 GiB of CUDA overhead;
-    one 16k-token record's cache (1,024 blocks of 512 KiB and 4 state slots of 73 MiB: 0.79 GiB) at
-    --kv-fraction 0.30 needs 2.6 GiB free beside that, which a 15.77 GiB card does not leave, wherever the tables,
-    tower and head go. It fits with the tables in host memory (what --vocab-tables auto picks), --kv-fraction 0.6
-    and the hosted API's image size."""
-    assert not ranks(clef, V100_16_GIB, 2, "int8").fits
+def test_clef_27b_in_int8_fits_two_16_gb_v100s_at_the_seeds_flags_with_the_tower_beside_rank_0(clef, monkeypatch):
+    """Each rank holds 11.4 GiB of int8 trunk, 0.17 GiB of scratch and 0.75 GiB of CUDA overhead; rank 0's cache
+    for one 16k-token record (1,024 blocks of 512 KiB and 4 state slots of 73 MiB) at --kv-fraction 0.30 needs
+    2.6 GiB free on rank 0. The tables on the cards leave too little (what auto sees); in host memory, with the
+    head on rank 0 and the tower on rank 1, rank 0 has that room and rank 1 holds the cache beside the tower's
+    step for a 16-megapixel image. With the tower on rank 0 as before, it does not fit."""
+    on_cards = ranks(clef, V100_16_GIB, 2, "int8")
+    hosted = ranks(clef, V100_16_GIB, 2, "int8", "host")
+    assert not on_cards.fits and auto_vocab_tables(on_cards, hosted) == (hosted, "the plan fits only so")
+    assert hosted.fits and hosted.cache.num_blocks * 16 >= 16384 and balance(hosted) <= 1.15, hosted.describe()
+    (rank1,) = hosted.other_ranks
+    assert rank1.image_patches == 65536 and rank1.weights["vision"] > 0 == hosted.weights["vision"]
+    import clef_cuda.model.footprint as footprint
+    import clef_cuda.serving.plan as plan_module
+
+    for module in (footprint, plan_module):
+        monkeypatch.setattr(module, "tower_rank", lambda size: 0)
     assert not ranks(clef, V100_16_GIB, 2, "int8", "host").fits
-    roomy = ranks(clef, V100_16_GIB, 2, "int8", "host", image_max_pixels=HOSTED_IMAGE_PIXELS, kv_fraction=0.6)
-    assert roomy.fits and roomy.cache.num_blocks * 16 >= 16384 and balance(roomy) <= 1.15, roomy.describe()
 
 
 # the upstream tiny release has a tower

@@ -34,7 +34,7 @@ from clef_cuda.model.weights import load_release_weights
 from clef_cuda.request import answers
 from clef_cuda.serving.engine import Engine, EngineConfig
 from clef_cuda.serving.shadow import ShadowConfig
-from clef_cuda.serving.tensor_parallel import TEST_WORKER_OPS_ENV, StepFailedOnRank, TensorParallel
+from clef_cuda.serving.tensor_parallel import TEST_WORKER_OPS_ENV, RemoteVisionTower, StepFailedOnRank, TensorParallel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_FAULTS = str(ROOT / "tests" / "tp_worker_faults.py")
@@ -148,10 +148,11 @@ def test_tensor_parallel_answers_equal_one_device(monkeypatch, size, release):
 
 @pytest.mark.parametrize("vocab_tables", ["device", "host"])
 def test_images_and_vocabulary_rows_split_over_the_ranks_answer_as_one_device(monkeypatch, vocab_tables):
-    """Requests with images under TP=2 on clef 27B's ratios: each rank's share of the vocabulary rows (rank 0
-    holds fewer: the tower and head are its alone; in host memory too), image features in place of their
-    tokens on rank 0 and zeros on the other (its rows of <|image_pad|> included), the head's option rows summed
-    over the ranks."""
+    """Requests with images under TP=2 on clef 27B's ratios: the tower on rank 1 (rank 0 sends the images and gets
+    the features back in host memory), each rank's share of the vocabulary rows (as many as level the ranks'
+    weights beside the head and the tower; in host memory too), image features in place of their tokens on rank
+    0 and zeros on the other (its rows of <|image_pad|> included), the head's option rows summed over the
+    ranks."""
     from images import data_url, png
 
     seen = capture_answers(monkeypatch)
@@ -165,8 +166,47 @@ def test_images_and_vocabulary_rows_split_over_the_ranks_answer_as_one_device(mo
     _, p_one, _ = serve(release, 1, requests, seen)
     _, p_two, engine = serve(release, 2, requests, seen, vocab_tables=vocab_tables)
     embed = engine.decider.trunk.embed
-    assert isinstance(embed, VocabShard) and embed.local.shape[0] < embed.shape[0] // 2  # here: none (a tiny table)
+    assert isinstance(embed, VocabShard)
+    assert isinstance(engine.decider.vision, RemoteVisionTower) and engine.weight_bytes["vision"] == 0
+    assert engine.images == 4 and engine.vision_seconds > 0
     assert worst_difference(p_one, p_two) <= TP_BOUND
+
+
+def test_the_tower_failing_on_its_rank_fails_that_request_and_the_group_serves_on(monkeypatch, tmp_path):
+    """The vision tower runs out of memory on rank 1, which holds it: that request fails with the worker's error
+    (StepFailedOnRank, as rank 0's own tower failing fails its request), nothing is held for it, and the next
+    requests with images are answered as one device answers them."""
+    from images import data_url, png
+
+    seen = capture_answers(monkeypatch)
+    rng = random.Random(8)
+    requests = [
+        random_request(rng, null_score_levels=False, state_words=(5, 40)) | {"images": [data_url(png(64, 48, s))]}
+        for s in range(3)
+    ]
+    release = clef_ratio_release()
+    _, p_one, _ = serve(release, 1, requests[1:], seen)
+    armed = tmp_path / "armed"
+    monkeypatch.setenv(ARMED_ENV, str(armed))
+    worker_fault(monkeypatch, "tower_oom_once_when_armed")
+    decider = Decider.from_release(release, device="cpu", progress=False, tensor_parallel=TensorParallel(2, timeout=30))
+    engine = Engine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.02, prefill_chunk_size=128))
+    engine.start()
+    try:
+        armed.touch()
+        with pytest.raises(StepFailedOnRank, match="out of memory"):
+            engine.decide(requests[0], timeout=120)
+        assert not armed.exists()  # it fired, once
+        probabilities = []
+        for request in requests[1:]:
+            seen.clear()
+            engine.decide(request, timeout=120)
+            probabilities.append(list(seen))
+        assert decider.trunk.peers.lost is None and len(engine.vision_cache) == 2
+        assert worst_difference(p_one, probabilities) <= TP_BOUND
+        no_leak(engine)
+    finally:
+        engine.stop(60)
 
 
 def test_shadow_runs_the_reference_on_every_rank_and_matches(monkeypatch):
@@ -322,15 +362,16 @@ def test_variants_with_tensor_parallel_are_refused_in_one_line(tmp_path):
 
 
 def test_the_plan_per_rank_fits_clef_flash_in_f16_on_two_16_gb_cards(tmp_path):
-    """The seed's flags, f16, two cards of 16 GiB: at least 16k KV tokens a record on rank 0 (the fullest);
-    one such card alone does not hold clef-flash in f16."""
+    """The seed's flags, f16, two cards of 16 GiB: at least 16k KV tokens a record, rank 1 (which holds the
+    tower) holding rank 0's cache too; one such card alone does not hold clef-flash in f16."""
     release = flash_config_release(tmp_path / "flash")
     seed = ["--max-num-seqs", "4", "--kv-fraction", "0.30", "--max-model-len", "16384", "--dtype", "f16"]
     two = clef_serve("--w", str(release), "--plan", "--gpu-memory", "16GiB", "--tp", "2", *seed, "--d", "cpu")
     assert two.returncode == 0, two.stdout + two.stderr
     assert "rank 0 of 2 such cards" in two.stdout and "fits: yes" in two.stdout
     assert re.search(r"^  rank 1 .* rank 0's cache fits", two.stdout, re.MULTILINE), two.stdout
-    assert "the others 1" in two.stdout  # the balance line: every rank's share of the vocabulary rows
+    # the balance line: who holds the head and the tower, every rank's share of the vocabulary rows
+    assert re.search(r"rank 1 the vision tower; the 248,320 vocabulary rows .*: [\d,]+ / [\d,]+$", two.stdout, re.M)
     (tokens,) = re.findall(r"= (\d+) tokens \(", two.stdout)
     assert int(tokens) >= 16384, two.stdout
     one = clef_serve("--w", str(release), "--plan", "--gpu-memory", "16GiB", *seed, "--d", "cpu")

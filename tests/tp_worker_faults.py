@@ -11,6 +11,7 @@ CLEF_TEST_TP_FAULT_ARMED exists, and "once" ones delete it as they fire (the nex
   hang_when_armed            silu_mul never returns (a kernel that deadlocks)
   attention_scaled_long      paged_attention's output x 1.5 past 256 tokens of context: this rank's heads answer
                              long records wrongly, where the start-up self-check (short contexts) cannot see
+  tower_oom_once_when_armed  the vision tower (on the rank that holds it) raises an out-of-memory
   hang_at_start              the worker never gets to load (storage that hangs), so it can be killed before the
                              rendezvous
   exit_at_start              the worker exits before it loads
@@ -93,6 +94,17 @@ def worker_ops(rank: int, base):
         time.sleep(3600)
     if fault == "exit_at_start":
         os._exit(9)
+    if fault == "tower_oom_once_when_armed":  # the tower runs no op of the library: break the class in this process
+        from clef_cuda.model import vision
+
+        healthy = vision.VisionTower.__call__
+
+        def call(tower, images):
+            if _armed(once=True):
+                _raise_oom()
+            return healthy(tower, images)
+
+        vision.VisionTower.__call__ = call
     return faulty_ops(base, fault)
 
 

@@ -14,6 +14,8 @@ import torch
 
 from clef_cuda.model.config import ReleaseConfig
 from clef_cuda.model.quantize import Int8Weight, is_quantized_name
+from clef_cuda.model.shard import tower_rank
+from clef_cuda.model.vision import VisionTower
 from clef_cuda.model.vocab_tables import VOCAB_TABLES, VocabShard, vocab_part
 from clef_cuda.model.weights import (
     FP32_SUFFIXES,
@@ -53,8 +55,8 @@ def planned_weights(
     row for the quantized tensors). `has_vision`: whether the release holds the tower's tensors (default: when
     config.json describes one). vocab_tables="host": the embedding tables are not on the device (0; see
     planned_host_tables). Tensor parallel (config: a rank's local config, clef_cuda.model.shard): rank `rank` of
-    `ranks` holds its `vocab_rows` of each vocabulary table (default: an even split), and the tower and the head
-    only on rank 0."""
+    `ranks` holds its `vocab_rows` of each vocabulary table (default: an even split), the head only on rank 0 and
+    the tower only on its rank (clef_cuda.model.shard.tower_rank)."""
     parts = dict.fromkeys(PARTS, 0)
     start, end = vocab_rows or vocab_part(config.trunk.vocab_size, rank, ranks)
     for name, shape in trunk_shapes(config.trunk).items():
@@ -70,12 +72,12 @@ def planned_weights(
         else:
             width = 4 if name.endswith(FP32_SUFFIXES) else dtype_bytes(dtype)
             parts[part] += _numel(shape) * width
-    if rank > 0:  # the tower and the head run on rank 0 alone
-        return parts
-    if config.vision is not None and (has_vision is None or has_vision):
+    has_vision = config.vision is not None and (has_vision is None or has_vision)
+    if has_vision and rank == tower_rank(ranks):
         for name, shape in vision_shapes(config.vision).items():
             parts["vision"] += _numel(shape) * (4 if name.endswith(VISION_FP32_SUFFIXES) else dtype_bytes(dtype))
-    parts["head"] = sum(_numel(shape) for shape in head_shapes(config.head).values()) * dtype_bytes(head_dtype)
+    if rank == 0:
+        parts["head"] = sum(_numel(shape) for shape in head_shapes(config.head).values()) * dtype_bytes(head_dtype)
     return parts
 
 
@@ -90,17 +92,26 @@ def vocab_split(
     config: ReleaseConfig, dtype: torch.dtype, quantize: str, head_dtype: torch.dtype, has_vision: bool, ranks: int
 ) -> list[tuple[int, int]]:
     """Each tensor-parallel rank's rows [start, end) of the vocabulary tables, so that the ranks' weights are as
-    equal as they can be: rank 0 alone holds the vision tower and the joint head, so it takes that much less of
-    the tables (none when those outweigh a fair share) and the others split the rest evenly. Every rank's trunk
-    shard is the same size, so the tables, the tower and the head are all that differ."""
+    equal as they can be. Every rank's trunk shard is the same size; rank 0 also holds the joint head and the
+    last rank the vision tower (tower_rank), so those take that much less of the tables (none when their part
+    outweighs a fair share) and the others split the rest evenly: the tables fill the ranks up to one level."""
     vocab = config.trunk.vocab_size
     if ranks == 1:
         return [(0, vocab)]
-    whole = planned_weights(config, dtype, quantize, head_dtype, has_vision)
-    extra = whole["vision"] + whole["head"]
-    rank0 = max(0, round(vocab * ((whole["embeddings"] - (ranks - 1) * extra) / ranks) / whole["embeddings"]))
-    per = -(-(vocab - rank0) // (ranks - 1))
-    return [(0, rank0)] + [(min(rank0 + r * per, vocab), min(rank0 + (r + 1) * per, vocab)) for r in range(ranks - 1)]
+    extra = [0] * ranks
+    for rank in range(ranks):
+        part = planned_weights(config, dtype, quantize, head_dtype, has_vision, rank=rank, ranks=ranks)
+        extra[rank] = part["vision"] + part["head"]
+    tables = planned_weights(config, dtype, quantize, head_dtype, has_vision)["embeddings"]
+    filled = list(range(ranks))  # the ranks the tables reach: not those whose own part stands above the level
+    while True:
+        level = (tables + sum(extra[r] for r in filled)) / len(filled)
+        if all(extra[r] <= level for r in filled):
+            break
+        filled = [r for r in filled if extra[r] <= level]
+    shares = [level - extra[r] if r in filled else 0.0 for r in range(ranks)]
+    bounds = [round(vocab * sum(shares[:r]) / tables) for r in range(ranks)] + [vocab]
+    return [(bounds[r], bounds[r + 1]) for r in range(ranks)]
 
 
 def release_has_vision(config: ReleaseConfig, headers: Iterable[str]) -> bool:
@@ -159,13 +170,14 @@ def tensor_bytes(*objects) -> int:
 
 def resident_weights(trunk, head, vision) -> dict[str, int]:
     """Bytes per part of a loaded model (trunk: clef_cuda.model.trunk.Trunk; head: JointSchemaHead;
-    vision: VisionTower or None). The int8 dequantize scratch is not a weight: Trunk.scratch. Vocabulary
-    tables in host memory (HostTable) hold no device bytes: host_table_bytes counts them."""
+    vision: VisionTower, None, or a handle on the tower another tensor-parallel rank holds: none here). The int8
+    dequantize scratch is not a weight: Trunk.scratch. Vocabulary tables in host memory (HostTable) hold no
+    device bytes: host_table_bytes counts them."""
     tables = [trunk.embed] if trunk.lm_head is trunk.embed else [trunk.embed, trunk.lm_head]
     parts = {
         "trunk": tensor_bytes(trunk.layers, trunk.final_scale),
         "embeddings": tensor_bytes(tables),
-        "vision": 0 if vision is None else tensor_bytes(vars(vision)),
+        "vision": tensor_bytes(vars(vision)) if isinstance(vision, VisionTower) else 0,  # not another rank's
         "head": tensor_bytes(head.w),
     }
     return parts

@@ -12,9 +12,11 @@ each MLP; clef_cuda.serving.tensor_parallel runs the ranks):
   MLP         gate_proj and up_proj by rows (intermediate columns), down_proj by columns.
 Norm gains are replicated. The embedding and LM-head tables are split by rows (vocab-parallel,
 clef_cuda.model.vocab_tables.VocabShard): each rank looks up the rows it holds and one all-reduce sums the
-shares, for a step's tokens as for the head's option rows. The vision tower and the joint head are rank 0's
-alone (it runs them; the all-reduces make its hidden states whole), so rank 0 takes fewer of the tables' rows
-(clef_cuda.model.footprint.vocab_split: the ranks' weights as equal as they can be).
+shares, for a step's tokens as for the head's option rows. The joint head is rank 0's alone (it runs it on the
+hidden states the all-reduces made whole); the vision tower is the last rank's (tower_rank: another card than
+the head's whenever there are two; rank 0 sends it the prepared images and gets the features back in host
+memory). Those two ranks take fewer of the tables' rows (clef_cuda.model.footprint.vocab_split: the ranks'
+weights as equal as they can be).
 """
 
 from __future__ import annotations
@@ -40,10 +42,24 @@ class Shard:
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
         return self.vocab if self.vocab is not None else vocab_part(vocab_size, self.rank, self.size)
 
+    @property
+    def holds_head(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def holds_tower(self) -> bool:
+        return self.rank == tower_rank(self.size)
+
     def part(self, count: int) -> tuple[int, int]:
         """This rank's [start, end) of `count` things split evenly."""
         per = count // self.size
         return self.rank * per, (self.rank + 1) * per
+
+
+def tower_rank(size: int) -> int:
+    """The rank that holds and runs the vision tower over `size` ranks: the last, so that the tower and the joint
+    head (rank 0's), the two largest parts outside the trunk, are on different cards whenever there are two."""
+    return size - 1
 
 
 def check_shardable(config: TrunkConfig, size: int) -> None:

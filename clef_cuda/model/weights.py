@@ -369,8 +369,9 @@ def load_release_weights(
     and embedding tables as int8) and head (in `head_dtype`) onto `device`. vocab_tables="host": the embedding
     and LM-head tables stay in (pinned) host memory as HostTables (clef_cuda.model.vocab_tables).
     shard: a tensor-parallel rank's part only (clef_cuda.model.shard), read from the files by slices, so no
-    rank ever holds a whole sharded tensor; the vocabulary tables by rows (VocabShards), the head and the
-    vision tower on rank 0 only (the others get an empty head and no tower)."""
+    rank ever holds a whole sharded tensor; the vocabulary tables by rows (VocabShards), the head on rank 0
+    only and the vision tower on its rank only (clef_cuda.model.shard.tower_rank; the others get an empty head,
+    no tower)."""
     if vocab_tables not in VOCAB_TABLE_PLACEMENTS:
         raise ValueError(f"vocab_tables must be one of {VOCAB_TABLE_PLACEMENTS}, got {vocab_tables!r}")
     from tqdm import tqdm
@@ -399,8 +400,10 @@ def load_release_weights(
     )
     prefix = config.weight_prefix
     sharded = shard is not None and shard.size > 1
-    if sharded and shard.rank > 0:  # rank 0 alone runs the tower and the head
-        expected_vision, expected_head = {}, {}
+    if sharded and not shard.holds_tower:  # one rank runs the tower (shard.tower_rank), rank 0 the head
+        expected_vision = {}
+    if sharded and not shard.holds_head:
+        expected_head = {}
     with bar:
         for file, names in sorted(files.items()):
             path = model_dir / file

@@ -34,6 +34,7 @@ from clef_cuda.model.footprint import (
     vocab_split,
 )
 from clef_cuda.model.quantize import QUANTIZE_TRANSIENT_BYTES
+from clef_cuda.model.shard import tower_rank
 from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.model.vision import ROW_CHUNK as VISION_ROW_CHUNK
 from clef_cuda.model.weights import release_headers
@@ -140,19 +141,18 @@ VISION_MARGIN = 1.25
 def vision_peak_bytes(vision: VisionConfig, dtype: torch.dtype, patches: int) -> int:
     """The vision tower's largest live tensors over one image of `patches` patches (the engine runs the tower an
     image at a time), read off clef_cuda.model.vision's code. Held for every patch: the fp32 residual stream, each
-    block's q, k, v and attention output in the serving dtype with SDPA's output and its reshaped copy, the
-    rotary angles and position-grid taps, the output features. Held for ROW_CHUNK patches at a time: the larger
-    of the qkv step (the fp32 norm and its cast, the fused qkv, the fp32 rotary temporaries) and the MLP step
-    (the projection and its fp32 add, the norm and its cast, fc1 and its GELU in `intermediate`, fc2 and its
-    fp32 add). The pixels stay
-    in host memory and come over a chunk at a time."""
+    block's q, k and v in the serving dtype, the rotary angles and position-grid taps, the output features. Held
+    for ROW_CHUNK patches at a time: the larger of the qkv step (the fp32 norm and its cast, the fused qkv, the
+    fp32 rotary temporaries) and the rest of the block (the chunk's queries copied for SDPA, its output and the
+    reshaped copy, the projection and its fp32 add, the norm and its cast, fc1 and its GELU in `intermediate`,
+    fc2 and its fp32 add). The pixels stay in host memory and come over a chunk at a time."""
     h, i, w = vision.hidden_size, vision.intermediate_size, dtype_bytes(dtype)
     head_dim = h // vision.num_heads
     merge = vision.spatial_merge_size**2
-    whole = 4 * h + 6 * w * h + 2 * 4 * head_dim + 4 * (8 + 4) + vision.out_hidden_size * w // merge
+    whole = 4 * h + 3 * w * h + 2 * 4 * head_dim + 4 * (8 + 4) + vision.out_hidden_size * w // merge
     patch_row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     qkv_step = (4 + w + 3 * w + 20) * h + patch_row * 4
-    mlp_step = (w + 4 + 4 + w + w + 4) * h + 2 * w * i
+    mlp_step = (3 * w + w + 4 + 4 + w + w + 4) * h + 2 * w * i
     live = patches * whole + min(patches, VISION_ROW_CHUNK) * max(qkv_step, mlp_step)
     return int(VISION_MARGIN * live)
 
@@ -277,10 +277,13 @@ class ServingPlan:
         if self.other_ranks:
             most = max(other.needed_bytes for other in self.other_ranks)
             rows = [plan.vocab_rows[1] - plan.vocab_rows[0] for plan in (self, *self.other_ranks)]
+            tower = next((plan.rank for plan in (self, *self.other_ranks) if plan.weights["vision"]), None)
+            holds = "the joint head" + (f", rank {tower} the vision tower" if tower is not None else "")
+            where = "in host memory" if self.vocab_tables == "host" else "on the cards"
             lines.append(
                 f"  balance        rank 0 needs {self.needed_bytes / most:.2f}x the most loaded other rank before the "
-                f"cache: it alone holds the vision tower and the joint head, and {rows[0]:,} of the {sum(rows):,} "
-                f"vocabulary rows (the others {', '.join(f'{n:,}' for n in rows[1:])})"
+                f"cache: rank 0 holds {holds}; the {sum(rows):,} vocabulary rows {where}: "
+                + " / ".join(f"{n:,}" for n in rows)
             )
         lines.append(f"  fits: {'yes' if self.fits else 'NO: ' + self.problem}")
         return "\n".join(lines)
@@ -292,6 +295,11 @@ class ServingPlan:
             f"  rank {self.rank:<9d} {_size(self.weight_bytes):>10}  weights ({parts}); load peak "
             f"{_size(self.load_peak_bytes)}, {_size(self.needed_bytes)} before the cache"
         )
+        if self.vision_activation_bytes:
+            line += (
+                f" (the vision tower's step {_size(self.vision_activation_bytes)} for one {self.image_patches}-patch "
+                "image)"
+            )
         if self.host_table_bytes:
             line += f", {_size(self.host_table_bytes)} of table rows in host memory"
         if self.problem is not None:
@@ -335,10 +343,15 @@ def plan_serving(
     (the CUDA context still to come out of it), not a live device's free memory. image_max_pixels: the resize
     budget per image (default: the release's processor's). rank, ranks: one tensor-parallel rank's plan alone
     (config: its local config; plan_tensor_parallel plans them together): its `vocab_rows` of the vocabulary
-    tables; the tower, its activations and cache, the head and `reserved_bytes` on rank 0 only."""
+    tables; the head, `reserved_bytes` and a step's image features on rank 0 only, the tower and its
+    activations on its rank only (tower_rank). The vision cache is device memory on one card; under tensor
+    parallel the features come back to rank 0's host memory and the cache keeps them there."""
     release = Path(release)
-    has_vision = release_has_vision(config, release_headers(release)) and rank == 0
-    weights = planned_weights(config, dtype, quantize, head_dtype, has_vision, vocab_tables, rank, ranks, vocab_rows)
+    release_vision = release_has_vision(config, release_headers(release))
+    has_vision = release_vision and rank == tower_rank(ranks)
+    weights = planned_weights(
+        config, dtype, quantize, head_dtype, release_vision, vocab_tables, rank, ranks, vocab_rows
+    )
     host_tables = planned_host_tables(config, dtype, quantize, vocab_rows) if vocab_tables == "host" else 0
     reserved_bytes = reserved_bytes if rank == 0 else 0
     scratch = largest_quantized_weight(config) * dtype_bytes(dtype) if quantize == "int8" else 0
@@ -348,16 +361,16 @@ def plan_serving(
     transient = fused + (QUANTIZE_TRANSIENT_BYTES if quantize == "int8" else 0)
     tokens = engine_config.max_num_seqs * engine_config.prefill_chunk_size
     trunk_step = step_activation_bytes(config.trunk, dtype, tokens)
-    vision_step = features = patches = 0
+    vision_step = patches = 0
     if has_vision:
         processor = load_processor_config(release)
         max_pixels = image_max_pixels or (processor.max_pixels if processor is not None else 16 * 2**20)
         patches = max_pixels // config.vision.patch_size**2
         vision_step = vision_peak_bytes(config.vision, dtype, patches)
-        features = image_feature_bytes(config.trunk, dtype, tokens)
+    features = image_feature_bytes(config.trunk, dtype, tokens) if release_vision and rank == 0 else 0
     activations = max(trunk_step, vision_step) + features
     overhead = (CUDA_WORKSPACE_BYTES + (CUDA_CONTEXT_BYTES if context_counted else 0)) if on_gpu else HOST_RUNTIME_BYTES
-    reserved = reserved_bytes + (engine_config.vision_cache_bytes if has_vision else 0)
+    reserved = reserved_bytes + (engine_config.vision_cache_bytes if has_vision and ranks == 1 else 0)
     if engine_config.shadow.enabled:  # a shadow run's own slot, KV blocks and reference scores
         reserved += shadow_run_bytes(config.trunk, dtype, engine_config.max_model_len, activations)
     free = device_bytes - sum(weights.values()) - scratch - overhead - reserved
@@ -409,6 +422,19 @@ def plan_serving(
         ranks=ranks,
         vocab_rows=vocab_rows,
     )
+
+
+def auto_vocab_tables(on_device: ServingPlan, hosted: ServingPlan) -> tuple[ServingPlan, str | None]:
+    """--vocab-tables auto on a GPU, given the plan with the tables on the device and the one with them in host
+    memory: host when only that fits, or when the cache then holds more KV blocks (a step copies over at most
+    its tokens' rows, a few milliseconds beside its GEMMs; a card with room to spare keeps the tables, since
+    the cache never grows past what the running records can use and both plans hold as many blocks). Returns
+    the plan chosen and why it is the host one (None: the device one)."""
+    if not hosted.fits or (on_device.fits and hosted.cache.num_blocks <= on_device.cache.num_blocks):
+        return on_device, None
+    if not on_device.fits:
+        return hosted, "the plan fits only so"
+    return hosted, f"the cache holds {hosted.cache.num_blocks} KV blocks instead of {on_device.cache.num_blocks}"
 
 
 def plan_tensor_parallel(

@@ -1,7 +1,8 @@
 """Tensor parallel over the cards of one machine: clef-serve --tensor-parallel-size N starts N - 1 worker
 processes (no torchrun), one per card; every rank holds its shard of the trunk (clef_cuda.model.shard) and
 runs its part of every trunk call on the same batch, its share of the vocabulary tables' rows included; rank 0
-(the server process) serves HTTP, schedules, runs the vision tower and the joint head.
+(the server process) serves HTTP, schedules and runs the joint head; the last rank holds and runs the vision
+tower (RemoteVisionTower: the images go there, the features come back to rank 0's host memory).
 
 Start: the workers are started first (clef_cuda.serving.children: one start budget, their liveness polled, every
 one reaped on every way out, each dying with rank 0) and load their shards while rank 0 loads its own. Each
@@ -12,8 +13,8 @@ server exits non-zero).
 
 Two channels between rank 0 and each worker:
   commands   a socket pair (multiprocessing.connection): rank 0 sends each call before it makes it (Trunk.peers:
-             forward, an MLP replay, vocabulary rows, a cache allocated, a state slot copied, the kernel
-             decisions, stop); the
+             forward, an MLP replay, vocabulary rows, images for the tower, a cache allocated, a state slot
+             copied, the kernel decisions, stop); the
              worker answers each call once it is done on its device: ok, or failed (why), with any kernel its
              guarded op library marked failed meanwhile. A worker waits for commands without a timeout (an idle
              server is not a fault) and exits when the channel closes (rank 0 gone).
@@ -230,6 +231,9 @@ def _message(trunk, call: str, args) -> tuple:
     if call == "copy_slot":
         cache, destination, source = args
         return (call, trunk.ops_name, 0, cache.name, destination, source)
+    if call == "vision":  # the prepared images, pixels by value: the tower's rank runs them
+        (images,) = args
+        return (call, trunk.ops_name, 0, list(images))
     return (call, trunk.ops_name, 0, *args)  # allocate_cache, install, selfcheck
 
 
@@ -461,6 +465,12 @@ class TensorParallel:
             worker.process.wait(5) if worker.alive() else None
             raise ChildFailed(f"{worker.name} {worker.how_ended()} (its channel closed)") from error
 
+    def vision_tower(self, trunk) -> RemoteVisionTower:
+        """Rank 0's handle on the vision tower its rank (tower_rank) loaded."""
+        from clef_cuda.model.shard import tower_rank
+
+        return RemoteVisionTower(self, trunk, tower_rank(self.size))
+
     def install(self, trunk, report, buckets, config) -> None:
         """The kernel decisions rank 0's autotune installed (failures, choices, the int8 policy's shapes) on every
         worker's trunk, so that every rank runs the same kernels."""
@@ -489,6 +499,25 @@ class TensorParallel:
                 dist.destroy_process_group()
             except Exception as error:  # a group whose peers are gone may not destroy cleanly
                 log.warning("leaving the tensor-parallel group: %s", first_line(error))
+
+
+class RemoteVisionTower:
+    """Rank 0's handle on the vision tower another rank holds (clef_cuda.model.shard.tower_rank), called as a
+    VisionTower is: the prepared images go over the command channel with the call, the tower's rank answers
+    with their features, which stay in rank 0's host memory (pinned on a GPU host: the engine keeps waiting
+    features there, and its vision cache keeps these there too; a step copies its rows over). A failure is
+    the call's: StepFailedOnRank for an error on the tower's rank (an out-of-memory: the records fail, the group
+    serves on), TensorParallelLost for a dead or hung one."""
+
+    def __init__(self, group: TensorParallel, trunk, rank: int) -> None:
+        self.group, self.trunk, self.rank = group, trunk, rank
+
+    def __call__(self, images) -> list[torch.Tensor]:
+        if not images:
+            return []
+        self.group.call(self.trunk, "vision", (images,), lambda: None)
+        features = self.group.answered[self.rank - 1]
+        return [rows.pin_memory() for rows in features] if self.group.device.type == "cuda" else features
 
 
 def _join(rank: int, size: int, store, device: torch.device, timeout: float):
@@ -555,6 +584,7 @@ def _worker(args, channel: Connection) -> int:
     from clef_cuda.model.footprint import tensor_bytes
     from clef_cuda.model.shard import Shard, local_config
     from clef_cuda.model.trunk import Trunk
+    from clef_cuda.model.vision import VisionTower
     from clef_cuda.model.weights import load_release_weights
     from clef_cuda.serving.guarded_ops import GuardedOps, as_kernel_fault
     from clef_cuda.serving.selfcheck import run_selfcheck
@@ -578,11 +608,14 @@ def _worker(args, channel: Connection) -> int:
         )
         ops_ = GuardedOps(base_ops, on_failure=lambda kernel, why: news.__setitem__(kernel, why))
         trunk = Trunk(local_config(config.trunk, args.size), weights.trunk, dtype, ops=ops_)
+        tower = VisionTower(config.vision, weights.vision, dtype) if weights.vision is not None else None
     except Exception as error:
         channel.send_bytes(pickle.dumps(("failed", f"loading its shard: {first_line(error, 400)}")))
         return EXIT_WORKER_FAILED
     layers, tables = tensor_bytes(trunk.layers, trunk.final_scale), tensor_bytes(trunk.embed, trunk.lm_head)
     ready = f"{layers / 2**20:.1f} MiB of trunk weights, {tables / 2**20:.1f} MiB of vocabulary rows"
+    if tower is not None:
+        ready += f", the vision tower ({tensor_bytes(vars(tower)) / 2**20:.1f} MiB)"
     channel.send_bytes(pickle.dumps(("ready", ready)))
     store = dist.TCPStore(
         "127.0.0.1", args.port, args.size, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
@@ -617,6 +650,9 @@ def _worker(args, channel: Connection) -> int:
                 elif call == "copy_slot":
                     name, destination, source = rest
                     on.copy_slot(caches[name], destination, source)
+                elif call == "vision" and tower is not None:  # the others have nothing to do
+                    (images,) = rest
+                    answer = [rows.cpu() for rows in tower(images)]
                 elif call == "allocate_cache":
                     num_slots, num_blocks, block_size, name = rest
                     caches.pop(name, None)
