@@ -50,7 +50,9 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
             400, "invalid_request_error", f"the {encoding} request body could not be decoded: {error}"
         ) from error
     if len(out) > limit:
-        raise ClientError(413, "request_too_large", f"the decoded request body exceeds {limit} bytes")
+        raise ClientError(
+            413, "request_too_large", f"the decoded request body is over {limit} bytes: {limit} bytes per request body"
+        )
     return out
 
 
@@ -59,7 +61,11 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     limit, and one that does not arrive within `timeout` seconds (a stalled or trickling client)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ClientError(413, "request_too_large", f"the request body ({declared} bytes) exceeds {limit} bytes")
+        raise ClientError(
+            413,
+            "request_too_large",
+            f"the request body is {declared} bytes, over the {limit}-byte limit per request body",
+        )
     chunks, size = [], 0
 
     async def receive_all() -> None:
@@ -67,7 +73,9 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise ClientError(413, "request_too_large", f"the request body exceeds {limit} bytes")
+                raise ClientError(
+                    413, "request_too_large", f"the request body is over {size} bytes: {limit} bytes per request body"
+                )
             chunks.append(chunk)
 
     try:

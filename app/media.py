@@ -24,7 +24,7 @@ from typing import Any
 
 from app.intake import ClientError, InvalidBody
 from clef_cuda.request.encoding import question_options, render
-from clef_cuda.request.images import ImageError, ImageLimits, strict_base64, wire_image_bytes
+from clef_cuda.request.images import ImageError, ImageLimits, image_too_large, strict_base64, wire_image_bytes
 
 SDK_PLACEHOLDER = re.compile(r"<image:[0-9a-f]{32}>")
 ASSET_FORMATS = ("png", "jpg", "jpeg", "webp")
@@ -137,7 +137,7 @@ def collect_images(body: dict[str, Any], parts: dict[str, bytes] | None, limits:
     if len(entries) + len(assets) > limits.max_images:
         raise InvalidBody(
             ["body", "images" if entries else "assets"],
-            f"{len(entries) + len(assets)} images; at most {limits.max_images} per request (--max-images)",
+            f"{len(entries) + len(assets)} images sent: at most {limits.max_images} images per request (--max-images)",
             "value_error",
         )
     for index, entry in enumerate(entries):
@@ -206,13 +206,13 @@ def _asset_bytes(asset: Any, parts: dict[str, bytes] | None, claimed: set[str], 
         claimed.add(name)
         data = parts[name]
         if len(data) > limits.max_bytes:
-            raise _refuse(loc, f"the image is over {limits.max_bytes // 2**20} MiB", 413)
+            raise _refuse(loc, image_too_large(len(data), limits))
         return data
     encoded = asset.get("data_base64")
     if not isinstance(encoded, str):
         raise InvalidBody(loc, "an image asset needs data_base64 (or, in a multipart body, part)", "value_error")
     if len(encoded) // 4 * 3 > limits.max_bytes + 2:
-        raise _refuse(loc, f"the image is over {limits.max_bytes // 2**20} MiB", 413)
+        raise _refuse(loc, image_too_large(len(encoded) // 4 * 3, limits))
     try:
         return strict_base64(encoded, "data_base64")
     except ImageError as error:

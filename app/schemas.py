@@ -8,6 +8,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
+# What one request may hold (shared/specs/systemone-api.md), named in every refusal (capacity_message).
+QUESTIONS_PER_REQUEST = (1, 64)
+OPTIONS_PER_CHOICE = (2, 255)
+LEVELS_PER_SCORE = (2, 10)
+
 # A description or instruction: any JSON text, object or array (or null where the contract allows it).
 Describable = str | dict[str, Any] | list[Any]
 QuestionId = Annotated[str, StringConstraints(min_length=1)]
@@ -27,7 +32,7 @@ class NoulQuestion(_Question):
 
 class ChoiceQuestion(_Question):
     type: Literal["choice"]
-    criteria: dict[str, Describable | None] = Field(min_length=2, max_length=255)
+    criteria: dict[str, Describable | None] = Field(min_length=OPTIONS_PER_CHOICE[0], max_length=OPTIONS_PER_CHOICE[1])
 
 
 def _no_null_level(levels: Any) -> Any:
@@ -44,7 +49,9 @@ def _no_null_level(levels: Any) -> Any:
 class ScoreQuestion(_Question):
     type: Literal["score"]
     # Low to high; a map is a 422. A null level is refused before the type check, with a clear message.
-    criteria: Annotated[list[Describable], BeforeValidator(_no_null_level)] = Field(min_length=2, max_length=10)
+    criteria: Annotated[list[Describable], BeforeValidator(_no_null_level)] = Field(
+        min_length=LEVELS_PER_SCORE[0], max_length=LEVELS_PER_SCORE[1]
+    )
 
 
 Question = Annotated[NoulQuestion | ChoiceQuestion | ScoreQuestion, Field(discriminator="type")]
@@ -73,12 +80,36 @@ class SystemOneRequest(BaseModel):
 
     model: str
     state: str | dict[str, Any] | list[Any]
-    questions: dict[QuestionId, Question] = Field(min_length=1, max_length=64)
+    questions: dict[QuestionId, Question] = Field(
+        min_length=QUESTIONS_PER_REQUEST[0], max_length=QUESTIONS_PER_REQUEST[1]
+    )
     # Images (app/media.py): data URLs, {content_type, base64} objects or plain base64 (Cloudflare, ollama)...
     images: list[str | ImageObject] | None = None
     # ... or TypeSafe assets, referenced by placeholders in the text. Videos are refused (a 422).
     assets: dict[str, ImageAsset] | None = None
     videos: list[Any] | None = None
+
+
+def capacity_message(loc: tuple, kind: str, sent: int | None) -> str | None:
+    """A refusal of too many or too few questions, options or levels in the words benchmark harnesses and
+    clients read as "unsupported" (shared/specs/clients.md: "options per choice", "a choice needs at least two
+    options", "a score takes 2 to 10 levels"; the kind's limit: "levels per score", "questions per request"),
+    naming the kind, the limit and the value sent; None for any other error (pydantic's own message stands).
+    loc: pydantic's, without "body"; sent: how many the client sent."""
+    if kind not in ("too_long", "too_short") or sent is None:
+        return None
+    loc = tuple(loc)
+    if loc == ("questions",):
+        low, high = QUESTIONS_PER_REQUEST
+        return f"{sent} questions sent: {low} to {high} questions per request"
+    if len(loc) == 4 and loc[0] == "questions" and loc[2:] == ("choice", "criteria"):
+        low, high = OPTIONS_PER_CHOICE
+        fewer = "a choice needs at least two options; " if kind == "too_short" else ""
+        return f"choice question {loc[1]!r} has {sent} options: {fewer}{low} to {high} options per choice"
+    if len(loc) == 4 and loc[0] == "questions" and loc[2:] == ("score", "criteria"):
+        low, high = LEVELS_PER_SCORE
+        return f"score question {loc[1]!r} has {sent} levels: a score takes {low} to {high} levels per score"
+    return None
 
 
 # Question types of TypeSafe's schema that clef has no head for: a 422 saying so (not a generic tag error).

@@ -34,11 +34,12 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app import workers_ai
 from app.intake import ClientError, InvalidBody, decompress, parse_json, read_body
 from app.logs import log_decision, request_id_of
 from app.media import collect_images, parse_multipart
 from app.metrics import Metrics
-from app.schemas import SystemOneRequest, unsupported_question_errors
+from app.schemas import SystemOneRequest, capacity_message, unsupported_question_errors
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
 from clef_cuda.model.adapters import AdapterError, check_variant_name
 from clef_cuda.request.images import ImageError
@@ -151,10 +152,21 @@ def validation_response(errors: list[dict[str, Any]]) -> JSONResponse:
 
 
 def _pydantic_errors(error: ValidationError) -> list[dict[str, Any]]:
+    """FastAPI's 422 items; a count over or under its limit (questions, options, levels) in words that name
+    the kind, the limit and the value sent (app.schemas.capacity_message)."""
     return [
-        {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
-        for e in error.errors(include_url=False, include_input=False, include_context=False)
+        {
+            "loc": ["body", *e["loc"]],
+            "msg": capacity_message(e["loc"], e["type"], _count(e.get("input"))) or e["msg"],
+            "type": e["type"],
+        }
+        for e in error.errors(include_url=False, include_input=True)
     ]
+
+
+def _count(value: Any) -> int | None:
+    # pydantic stops counting a dict at its limit (ctx's actual_length is None there): the input is counted here.
+    return len(value) if isinstance(value, dict | list) else None
 
 
 def create_app(
@@ -363,13 +375,42 @@ def create_app(
         },
     )
     async def systemone(request: Request) -> Response:
+        return await _decision(request, lambda: _systemone(request))
+
+    @app.post(workers_ai.ROUTE)
+    async def workers_ai_run(request: Request, account_id: str, model_path: str) -> Response:
+        """Cloudflare Workers AI's route (app/workers_ai.py): any account id, the path's model, its envelope.
+        RequireKeyOnV1 does not cover it: the key is checked here, first, so a refusal is the envelope's."""
+
+        async def decide() -> Response:
+            if settings.api_key is not None and not key_is_valid(request.headers, settings.api_key):
+                return missing_key_response()
+            model = workers_ai.route_model(model_path)
+            engine = state.engine
+            variant = model is not None and engine is not None and engine.adapters is not None
+            variant = variant and engine.adapters.get(model) is not None
+            if model not in names and not variant:
+                return error_response(
+                    404,
+                    "not_found_error",
+                    f"no route for {model_path!r}: this server serves "
+                    f"{workers_ai.MODEL_PREFIX}{settings.served_model_name}",
+                )
+            return await _systemone(request, confidence="hosted", route_model=model)
+
+        return await _decision(request, decide, workers_ai.envelope)
+
+    async def _decision(request: Request, decide, present: Callable[[Response], Response] = lambda r: r) -> Response:
+        """A decision route's frame: the request id, the in-flight count (a drain waits for it), a fault of ours
+        nothing below caught still in the contract's body, the metrics and the log line of what the client got
+        (`present`: the route's form of the response)."""
         started = time.perf_counter()
         request.state.request_id = request_id_of(request)
         state.in_flight += 1
         try:
-            response = await _systemone(request)
+            response = await decide()
         except Exception as error:  # a fault of ours nothing above caught: still the contract's body, counted
-            log.exception("POST /v1/systemone failed")
+            log.exception("POST %s failed", request.url.path)
             response = error_response(
                 500,
                 "internal_error",
@@ -379,13 +420,17 @@ def create_app(
             state.in_flight -= 1
         seconds = time.perf_counter() - started
         response.headers["X-Request-Id"] = request.state.request_id
+        response = present(response)
         metrics.requests.labels(status=str(response.status_code)).inc()
         if response.status_code == 200:
             metrics.latency.observe(seconds)
         log_decision(request, response.status_code, seconds)
         return response
 
-    async def _systemone(request: Request) -> Response:
+    async def _systemone(request: Request, confidence: str | None = None, route_model: str | None = None) -> Response:
+        """POST /v1/systemone's work; the Workers AI route's too, with its `route_model` (the path's: it replaces
+        the body's `model`, and top-level fields the hosted validator does not know are a 422) and the hosted
+        `confidence`."""
         try:
             check_auth(request)
             engine = ready_engine()
@@ -399,6 +444,12 @@ def create_app(
                 body = await run_in_threadpool(parse_json, raw, settings.max_json_depth)
             except InvalidBody as error:
                 return validation_response(error.as_detail())
+            if route_model is not None:
+                unknown = workers_ai.unknown_fields(body)
+                if unknown:
+                    return validation_response(unknown)
+                if isinstance(body, dict):
+                    body["model"] = route_model
             unsupported = unsupported_question_errors(body)
             if unsupported:
                 return validation_response(unsupported)
@@ -433,7 +484,7 @@ def create_app(
                         engine.adapters.release(adapter)
                     raise
                 # the engine releases the adapter from here on
-                ticket = engine.submit(body, record, prepared, adapter, request.state.request_id)
+                ticket = engine.submit(body, record, prepared, adapter, request.state.request_id, confidence)
             except ImageError as error:
                 if error.status == 413:
                     raise ClientError(413, "request_too_large", str(error)) from error

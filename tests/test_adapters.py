@@ -158,6 +158,13 @@ def test_rounded_http_answers_match_the_references(decider):
             response = client.post("/v1/systemone", json=request)
             assert response.status_code == 200, response.text
             assert_response_matches(response.json(), *reference_response(reference_model(merged(variant)), request))
+            # Workers AI's route names the variant in its path (the body's model is the path's there).
+            hosted = client.post(f"/client/v4/accounts/any/ai/run/@cf/cloudflare/{variant}", json=long_request(11))
+            assert hosted.status_code == 200, hosted.text
+            result = hosted.json()["result"]
+            assert result["model"] == variant
+            for qid, answer in response.json()["answers"].items():
+                assert result["answers"][qid].get("probabilities") == answer.get("probabilities"), qid
 
 
 @pytest.mark.parametrize(

@@ -171,23 +171,38 @@ def test_the_upstream_reference_decides_like_us_on_the_shipped_model(tmp_path):
         check_against_reference(decider, reference, request)
 
 
-def _readme_example() -> tuple[dict, dict]:
-    """The request and the response printed in README.md's Serve section."""
+def _readme_example(name: str = "readme-example") -> tuple[dict, dict, str]:
+    """The request, the response and the route of a curl example in README.md (`<!-- NAME -->` above it)."""
     text = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- readme-example -->\s*```\n(.*?)```", text, re.S)
-    assert block, "README.md lost its <!-- readme-example --> block"
+    block = re.search(rf"<!-- {name} -->\s*```\n(.*?)```", text, re.S)
+    assert block, f"README.md lost its <!-- {name} --> block"
     request = re.search(r"-d '(.*?)'\n", block.group(1), re.S)
+    route = re.search(r"curl -s localhost:8080(\S+)", block.group(1)).group(1)
     response = block.group(1).strip().splitlines()[-1]
-    return json.loads(request.group(1)), json.loads(response)
+    return json.loads(request.group(1)), json.loads(response), route
 
 
 def test_readme_curl_example_answers_as_printed(clef_serve):
     url, output = clef_serve
-    request, printed = _readme_example()
-    response = httpx.post(f"{url}/v1/systemone", json=request, timeout=60)
+    request, printed, route = _readme_example()
+    assert route == "/v1/systemone"
+    response = httpx.post(f"{url}{route}", json=request, timeout=60)
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["model"] == printed["model"] == default_model.NAME
     assert body["usage"] == printed["usage"]
     _assert_same_answers(body["answers"], printed["answers"], "README")
     assert any("EMBEDDED DEMO MODEL" in line for line in output)  # announced loudly at start-up
+
+
+def test_readme_workers_ai_example_answers_as_printed(clef_serve):
+    """The "switch from Workers AI" example: the same route, envelope and hosted confidence as printed."""
+    url, _ = clef_serve
+    request, printed, route = _readme_example("readme-example: workers-ai")
+    assert route.startswith("/client/v4/accounts/") and route.endswith(f"/@cf/cloudflare/{default_model.NAME}")
+    response = httpx.post(f"{url}{route}", json=request, timeout=60)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["success"] is True and body["errors"] == [] == printed["errors"]
+    assert body["result"]["usage"] == printed["result"]["usage"]
+    _assert_same_answers(body["result"]["answers"], printed["result"]["answers"], "README (Workers AI)")

@@ -425,3 +425,85 @@ def test_a_second_start_never_adds_a_second_scheduler(decider):
         assert engine.decide(random_request(random.Random(1)), timeout=60)["answers"]
     finally:
         engine.stop(10)
+
+
+# ---- capacity refusals: what harnesses read as "unsupported" ----------------------------------------------
+# The Decision Index's http engine (shared/specs/clients.md) records a 400/413/422 whose body holds one of its
+# markers as "unsupported" (final); anything else is retried as an error, and five errors stop a run. Beside
+# its markers (OpenAI's and vLLM's context wording, options and levels), the limit named per kind.
+HARNESS_MARKERS = (
+    "maximum context length",
+    "maximum model length",
+    "longer than the maximum model length",
+    "context window",
+    "too many tokens",
+    "options per choice",
+    "a choice needs at least two options",
+    "a score takes 2 to 10 levels",
+)
+UNSUPPORTED_MARKERS = (
+    *HARNESS_MARKERS,
+    "levels per score",
+    "questions per request",
+    "images per request",
+    "per image",
+    "of images per request",
+    "per request body",
+)
+
+
+def refusal_message(response) -> str:
+    detail = response.json()["detail"]
+    return " ".join(item["msg"] for item in detail) if isinstance(detail, list) else detail["message"]
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "words"),
+    [
+        ("a record over the token budget", 413, ["maximum context length", "4096", "tokens"]),
+        ("300 options", 422, ["options per choice", "300", "255", "'pick'"]),
+        ("one option", 422, ["a choice needs at least two options", "1 options", "'pick'"]),
+        ("12 score levels", 422, ["a score takes 2 to 10 levels", "levels per score", "12", "'grade'"]),
+        ("65 questions", 422, ["questions per request", "65", "64"]),
+        ("5 images", 422, ["5 images", "at most 4 images per request"]),
+        ("a body over the limit", 413, ["per request body", "200000"]),
+    ],
+)
+def test_every_capacity_refusal_names_its_kind_limit_and_value(client, case, status, words):
+    """Token budget, options, score levels, questions, images, body size: the refusal names the kind, the limit
+    and the value sent, in words a harness reads as "unsupported" (the 422 list shape kept)."""
+    image = "data:image/png;base64,iVBORw0KGgo="
+    bodies = {
+        "a record over the token budget": OK | {"state": "word " * 6000},
+        "300 options": OK | {"questions": {"pick": {"type": "choice", "criteria": {f"o{i}": "" for i in range(300)}}}},
+        "one option": OK | {"questions": {"pick": {"type": "choice", "criteria": {"only": ""}}}},
+        "12 score levels": OK | {"questions": {"grade": {"type": "score", "criteria": [str(i) for i in range(12)]}}},
+        "65 questions": OK | {"questions": {f"q{i}": {"type": "noul"} for i in range(65)}},
+        "5 images": OK | {"images": [image] * 5},
+        "a body over the limit": OK | {"state": "x" * 250_000},
+    }
+    response = post(client, bodies[case])
+    assert response.status_code == status, response.text
+    message = refusal_message(response)
+    for word in words:
+        assert word in message, message
+    assert any(marker in message for marker in UNSUPPORTED_MARKERS), message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"questions": {"pick": {"type": "choice"}}},
+        {"questions": {"pick": {"type": "choice", "criteria": ["a", "b"]}}},
+        {"state": None},
+        {"questions": {"grade": {"type": "score", "criteria": ["low", None]}}},
+    ],
+    ids=["a choice without criteria", "a choice as a list", "no state", "a null score level"],
+)
+def test_a_refusal_that_is_not_capacity_reads_as_an_error_not_unsupported(client, body):
+    """The other side of the harness's rule: a malformed request is a 422 no marker matches (it is retried, and
+    counted as an error, where the client is at fault and a fix is due)."""
+    response = post(client, OK | body)
+    assert response.status_code == 422, response.text
+    message = refusal_message(response)
+    assert not any(marker in message for marker in UNSUPPORTED_MARKERS), message

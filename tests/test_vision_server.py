@@ -313,7 +313,10 @@ def test_image_tokens_count_toward_the_budget(decider):
     with TestClient(create_app(ServerSettings(), engine=engine, warm_up=False)) as c:
         assert c.post("/v1/systemone", json=body()).status_code == 200
         response = c.post("/v1/systemone", json=body(images=[b64(png(640, 480))]))
-        assert response.status_code == 413 and f"limit is {limit}" in response.json()["detail"]["message"]
+        assert (
+            response.status_code == 413
+            and f"maximum context length of {limit} tokens" in response.json()["detail"]["message"]
+        )
 
 
 def test_a_release_without_a_vision_tower_refuses_images():

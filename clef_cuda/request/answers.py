@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-CONFIDENCE_MODES = ("clef", "typesafe")
+CONFIDENCE_MODES = ("clef", "typesafe", "hosted")
 
 
 def _round(x: float) -> float:
@@ -25,8 +25,22 @@ def _typesafe_score_confidence(probabilities: list[float]) -> float:
     return 1.0 - spread / (len(probabilities) - 1)
 
 
+def _hosted_confidence(probabilities: list[float]) -> float:
+    """Cloudflare's hosted API, as its clients report it: how far the distribution is from uniform by its
+    squared mass, (sum of p^2 - 1/n) / (1 - 1/n) (1: all mass on one option; 0: uniform)."""
+    n = len(probabilities)
+    return (sum(p * p for p in probabilities) - 1.0 / n) / (1.0 - 1.0 / n)
+
+
+def _confidence(mode: str, probabilities: list[float], top: float, typesafe) -> float:
+    if mode == "clef":
+        return top
+    return _hosted_confidence(probabilities) if mode == "hosted" else typesafe()
+
+
 def answer(question: dict[str, Any], probabilities: dict[str, float], confidence: str = "clef") -> dict[str, Any]:
-    """One question's answer from its unrounded per-option probabilities (option id -> p)."""
+    """One question's answer from its unrounded per-option probabilities (option id -> p); `confidence`: the
+    reference's top probability (clef), TypeSafe's definition or the hosted API's (CONFIDENCE_MODES)."""
     kind = question["type"]
     if kind == "noul":
         return {"type": "noul", "noul": _round(probabilities["true"])}
@@ -37,7 +51,14 @@ def answer(question: dict[str, Any], probabilities: dict[str, float], confidence
         return {
             "type": "choice",
             "choice": choice,
-            "confidence": _round(top if confidence == "clef" else _typesafe_choice_confidence(top, len(options))),
+            "confidence": _round(
+                _confidence(
+                    confidence,
+                    [probabilities[option] for option in options],
+                    top,
+                    lambda: _typesafe_choice_confidence(top, len(options)),
+                )
+            ),
             "probabilities": {option: _round(probabilities[option]) for option in options},
         }
     levels = [str(index) for index in range(len(question["criteria"]))]
@@ -45,7 +66,9 @@ def answer(question: dict[str, Any], probabilities: dict[str, float], confidence
     return {
         "type": "score",
         "score": _round(sum(index * p for index, p in enumerate(ordered))),
-        "confidence": _round(max(ordered) if confidence == "clef" else _typesafe_score_confidence(ordered)),
+        "confidence": _round(
+            _confidence(confidence, ordered, max(ordered), lambda: _typesafe_score_confidence(ordered))
+        ),
         "legend": dict(zip(levels, question["criteria"], strict=True)),
         "probabilities": {level: _round(p) for level, p in zip(levels, ordered, strict=True)},
     }

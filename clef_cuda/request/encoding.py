@@ -423,7 +423,8 @@ def encode_request(
         more = "at least " if at_least else ""
         return RequestTooLongError(
             f"the record needs {more}{needed} tokens ({more}{state_tokens} of state, {fixed_tokens} of prompt and "
-            f"schema); the limit is {max_length}",
+            f"schema), over this server's maximum context length of {max_length} tokens a record (its maximum model "
+            "length, --max-model-len)",
             input_tokens=needed,
             max_tokens=max_length,
             fixed_tokens=fixed_tokens,

@@ -102,7 +102,7 @@ def wire_image_bytes(item: Any, limits: ImageLimits) -> bytes:
         raise ImageError("an image must be a data URL, a base64 string or a {content_type, base64} object")
     # The size is known from the base64 length before decoding anything.
     if len(encoded) // 4 * 3 > limits.max_bytes + 2:
-        raise ImageError(f"the image is over {limits.max_bytes // 2**20} MiB", status=413)
+        raise image_too_large(len(encoded) // 4 * 3, limits)
     return strict_base64(encoded, "the image data")
 
 
@@ -180,13 +180,23 @@ def _webp_header(data: bytes) -> ImageHeader:
     raise ImageError("a truncated or corrupt WebP (no frame header)")
 
 
+def image_too_large(size: int, limits: ImageLimits) -> ImageError:
+    """The 413 for one image over its byte limit, naming its size and the limit (size: bytes, or the bytes its
+    base64 decodes to)."""
+    return ImageError(
+        f"the image is {size / 2**20:.1f} MiB: at most {limits.max_bytes / 2**20:g} MiB per image", status=413
+    )
+
+
 def check_header(header: ImageHeader, limits: ImageLimits) -> None:
     """The limits a header alone decides: pixels, aspect, bits, frames."""
     if header.width <= 0 or header.height <= 0:
         raise ImageError(f"a {header.format} image of {header.width}x{header.height} pixels")
     if header.width * header.height > limits.max_pixels:
         raise ImageError(
-            f"a {header.width}x{header.height} image is over {limits.max_pixels / 2**20:.0f} megapixels", status=413
+            f"a {header.width}x{header.height} image is {header.width * header.height / 2**20:.1f} megapixels: at "
+            f"most {limits.max_pixels / 2**20:g} megapixels per image",
+            status=413,
         )
     if max(header.width, header.height) / min(header.width, header.height) > limits.max_aspect:
         raise ImageError(f"a {header.width}x{header.height} image is more than {limits.max_aspect:.0f}:1")
@@ -359,17 +369,19 @@ def load_images(blobs: list[bytes], config: ImageProcessorConfig, limits: ImageL
     """Check every image's header against the limits first (so a bad fourth image costs no decoding of the
     first three), then decode and prepare them. ImageError names the image (1-based)."""
     if len(blobs) > limits.max_images:
-        raise ImageError(f"{len(blobs)} images; at most {limits.max_images} per request (--max-images)")
+        raise ImageError(f"{len(blobs)} images sent: at most {limits.max_images} images per request (--max-images)")
     total = sum(len(b) for b in blobs)
     if total > limits.max_total_bytes:
         raise ImageError(
-            f"the images add up to {total / 2**20:.1f} MiB; at most {limits.max_total_bytes // 2**20} MiB", status=413
+            f"the images add up to {total / 2**20:.1f} MiB: at most {limits.max_total_bytes / 2**20:g} MiB of images "
+            "per request",
+            status=413,
         )
     headers = []
     for number, blob in enumerate(blobs, start=1):
         try:
             if len(blob) > limits.max_bytes:
-                raise ImageError(f"the image is over {limits.max_bytes // 2**20} MiB", status=413)
+                raise image_too_large(len(blob), limits)
             header = inspect_image(blob)
             check_header(header, limits)
         except ImageError as error:

@@ -102,6 +102,7 @@ class Ticket:
     images: list[PreparedImage] = field(default_factory=list)  # the record's images, prepared (request order)
     adapter: Adapter | None = None  # the variant it asked for (held until the request settles), None: base
     request_id: str = ""  # the HTTP layer's X-Request-Id (logs name it)
+    confidence: str | None = None  # answers.CONFIDENCE_MODES, for this request (None: the engine's)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -254,8 +255,8 @@ class Engine:
         needed = -(-record.num_tokens // self.config.block_size)
         if needed > self.plan.num_blocks:
             raise RequestTooLongError(
-                f"the record needs {record.num_tokens} tokens of KV cache; this server holds "
-                f"{self.plan.num_blocks * self.config.block_size}",
+                f"the record needs {record.num_tokens} tokens, over this server's maximum context length: its KV "
+                f"cache holds {self.plan.num_blocks * self.config.block_size} tokens",
                 input_tokens=record.num_tokens,
                 max_tokens=self.plan.num_blocks * self.config.block_size,
                 fixed_tokens=record.num_tokens - record.state_tokens,
@@ -269,10 +270,12 @@ class Engine:
         images: list[PreparedImage] = (),
         adapter: Adapter | None = None,
         request_id: str = "",
+        confidence: str | None = None,
     ) -> Ticket:
         """Queue a record. `adapter`: a variant the caller acquired from self.adapters (the engine releases
         it when the request settles). Without a record, the request is encoded here and its `model` may
-        name a variant. `request_id` is what the logs call it."""
+        name a variant. `request_id` is what the logs call it; `confidence` this request's confidence mode
+        (answers.CONFIDENCE_MODES; None: config.confidence)."""
         if record is None:
             if adapter is None and self.adapters is not None:
                 adapter = self.adapters.acquire(request.get("model"))
@@ -281,7 +284,18 @@ class Engine:
             except BaseException:
                 self._release(adapter)
                 raise
-        ticket = Ticket(next(self._ids), concurrent.futures.Future(), record, list(images), adapter, request_id)
+        if confidence is not None and confidence not in answers.CONFIDENCE_MODES:
+            self._release(adapter)
+            raise ValueError(f"confidence must be one of {answers.CONFIDENCE_MODES}, got {confidence!r}")
+        ticket = Ticket(
+            next(self._ids),
+            concurrent.futures.Future(),
+            record,
+            list(images),
+            adapter,
+            request_id,
+            confidence=confidence,
+        )
         with self._lock:
             refusal = None
             if self.kernel_fault is not None:
@@ -812,7 +826,7 @@ class Engine:
             result[question.question_id] = answers.answer(
                 seq.request["questions"][question.question_id],
                 dict(zip(question.option_ids, probabilities[-1], strict=True)),
-                self.config.confidence,
+                seq.ticket.confidence or self.config.confidence,
             )
             cursor += n
         body = answers.response(seq.request["model"], result, seq.record.num_tokens)
