@@ -70,10 +70,10 @@ def _duration(text: str) -> float | None:
     return seconds
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="clef-serve", description="Serve a clef-flash release over TypeSafe's System One API.", allow_abbrev=False
-    )
+def build_parser(
+    prog: str = "clef-serve", description: str = "Serve a clef-flash release over TypeSafe's System One API."
+) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=description, allow_abbrev=False)
     p.add_argument("--w", "--weights", dest="weights", help="release directory (default: the embedded default model)")
     p.add_argument(
         "--d",
@@ -617,20 +617,15 @@ def served_model(args: argparse.Namespace) -> tuple[str, str]:
     return args.served_model_name or name, description
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.selfcheck_only and args.selfcheck == "off":
-        parser.error("--selfcheck-only runs the self-check: it cannot be combined with --selfcheck off")
-    configure_logging(args.log_level, args.log_format)
-    log = logging.getLogger("clef_serve")
-
+def check_before_loading(args, parser, log) -> tuple[int | None, str]:
+    """Everything that can be checked before the (slow) load, each failure one line and exit 2: (the --plan
+    exit code, or None to go on; the model's description for /v1/models). Fills in --w with the embedded
+    model when it is absent."""
     from clef_cuda.errors import ReleaseError
     from clef_cuda.model.adapters import AdapterError
     from clef_cuda.model.config import load_release_config
     from clef_cuda.model.weights import check_not_prequantized
 
-    # Fail fast, in one line, on what can be checked before the (slow) load.
     try:
         import clef_cuda.ops  # noqa: F401  (applies CLEF_CPU_ISA: ValueError for a variant this CPU lacks)
 
@@ -649,20 +644,15 @@ def main(argv: list[str] | None = None) -> int:
         check_adapters(args, load_release_config(args.weights))
         check_tensor_parallel(args, load_release_config(args.weights), log)
         check_not_prequantized(args.weights, load_release_config(args.weights).fp8_block_size)
-        planned = check_plan(args, log)
+        return check_plan(args, log), description
     except (ValueError, ImportError, ReleaseError, AdapterError) as error:
-        parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
-    if planned is not None:
-        return planned
-    if args.selfcheck_only:
-        try:
-            return selfcheck_only(args)
-        except ReleaseError as error:  # a tensor the config check could not see: still the model's fault
-            parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
+        parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")
 
-    from app.server import DrainingServer, ServerSettings, create_app
 
-    settings = ServerSettings(
+def server_settings(args, description: str):
+    from app.server import ServerSettings
+
+    return ServerSettings(
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
@@ -679,6 +669,32 @@ def main(argv: list[str] | None = None) -> int:
         autotune_cache=args.autotune_cache or None,
         kernel_trials=args.kernel_trials,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["batch"]:
+        return batch_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.selfcheck_only and args.selfcheck == "off":
+        parser.error("--selfcheck-only runs the self-check: it cannot be combined with --selfcheck off")
+    configure_logging(args.log_level, args.log_format)
+    log = logging.getLogger("clef_serve")
+    planned, description = check_before_loading(args, parser, log)
+    if planned is not None:
+        return planned
+    if args.selfcheck_only:
+        from clef_cuda.errors import ReleaseError
+
+        try:
+            return selfcheck_only(args)
+        except ReleaseError as error:  # a tensor the config check could not see: still the model's fault
+            parser.exit(EXIT_USAGE, f"clef-serve: error: {error}\n")
+
+    from app.server import DrainingServer, create_app
+
+    settings = server_settings(args, description)
     app = create_app(
         settings, load_engine=lambda: make_engine(args, lambda *lost: app.state.tensor_parallel_lost(*lost))
     )
@@ -686,6 +702,75 @@ def main(argv: list[str] | None = None) -> int:
     # Request bodies and the API key are never logged (no access log; errors name no body or header).
     DrainingServer.run_app(app, args.host, args.port, args.log_level, args.drain_timeout)
     return 0
+
+
+def batch_main(argv: list[str]) -> int:
+    """clef-serve batch INPUT.jsonl OUTPUT.jsonl [the serving flags]: app/batch.py."""
+    import asyncio
+
+    from app import batch
+
+    parser = build_parser(
+        "clef-serve batch",
+        "Score a file of System One requests (JSON lines) into OUTPUT, in input order, with the serving flags' "
+        "model and engine; a rerun resumes.",
+    )
+    parser.add_argument(
+        "input",
+        metavar="INPUT.jsonl",
+        help="one request a line: a System One body or "
+        '{"custom_id", "method", "url", "body"} (the OpenAI / vLLM batch form)',
+    )
+    parser.add_argument("output", metavar="OUTPUT.jsonl", help="one record a line, in input order; appended to")
+    parser.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        help="rows submitted at once (default: 4 x --max-num-seqs: the engine always has the next step's rows)",
+    )
+    parser.add_argument(
+        "--read-ahead",
+        type=_positive_int,
+        default=1024,
+        help="rows read ahead of the last one written (bounds memory; rows with one state are grouped within it)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
+    log = logging.getLogger("clef_serve")
+    if args.log_level != "debug":  # a line per row would bury the progress bar: the summary counts them
+        logging.getLogger("clef_serve.requests").setLevel(logging.WARNING)
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        source, sink = batch.check_paths(args.input, args.output)
+        batch.resume_point(source, sink)  # another file's OUTPUT is refused before the model loads
+    except batch.BatchFileError as error:
+        parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")
+    planned, description = check_before_loading(args, parser, log)
+    if planned is not None:
+        return planned
+    from app.server import create_app
+    from clef_cuda.errors import ReleaseError
+
+    try:
+        engine = make_engine(args)
+    except ReleaseError as error:
+        parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")
+    app = create_app(server_settings(args, description), engine=engine)
+    in_flight = args.max_in_flight or 4 * args.max_num_seqs
+    try:
+        summary = asyncio.run(
+            batch.run(app, source, sink, in_flight, max(args.read_ahead, in_flight), not args.no_progress, log)
+        )
+    except RuntimeError as error:  # the model never became ready (a failed self-check, a lost rank)
+        print(f"{parser.prog}: {error}", file=sys.stderr)
+        return batch.EXIT_FAILED
+    except KeyboardInterrupt:  # the second Ctrl-C: OUTPUT holds every row written so far, whole
+        print(f"{parser.prog}: stopped; rerun the same command to resume", file=sys.stderr)
+        return batch.EXIT_INTERRUPTED
+    print(summary.describe(), file=sys.stderr)
+    if summary.interrupted:
+        return batch.EXIT_INTERRUPTED
+    return batch.EXIT_FAILED if summary.failed else 0
 
 
 if __name__ == "__main__":
