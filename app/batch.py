@@ -16,8 +16,8 @@ How it runs:
   `read_ahead` rows ahead of the last one written. Rows with the same state (and model and images) are
   scheduled together: the first goes alone, the rest once it is done, so they start from its prefix-cache
   snapshot instead of prefilling the state again; other states fill the engine meanwhile.
-- Memory is bounded by `read_ahead` rows, whatever the file's length: the input is read as it is needed and
-  each answer written (and flushed) as soon as every row before it is.
+- Memory is bounded by `read_ahead` rows (and READ_AHEAD_BYTES of them), whatever the file's length: the
+  input is read as it is needed and each answer written (and flushed) as soon as every row before it is.
 - Resumable: OUTPUT is appended to. A rerun checks that OUTPUT's rows are INPUT's rows in order (exit 2 if
   not: another file), drops a torn last line, and starts after the last row written. SIGINT (Ctrl-C) stops
   asking: the rows in flight finish, what can be written in order is, and the rows answered past a row not
@@ -51,6 +51,8 @@ DECISION_URL = "/v1/systemone"
 _WORKERS_AI_URL = re.compile(r"/client/v4/accounts/[^/]+/ai/run/\S+")
 WRAPPER_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 RETRIES_ON_503 = 3
+# Rows read ahead are bounded in bytes too: a row may carry megabytes of images (the server takes 32 MiB).
+READ_AHEAD_BYTES = 256 * 2**20
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
@@ -87,7 +89,7 @@ def parse_row(number: int, text: str) -> Row | None:
     (the server's 422 is recorded for it), a wrapper with a url other than a decision route is refused here."""
     if not text.strip():
         return None
-    raw = text.rstrip("\r\n").encode()
+    raw = text.rstrip("\r\n").encode("utf-8", "surrogateescape")  # the bytes as read, UTF-8 or not
     try:
         parsed = json.loads(text)
     except ValueError:
@@ -400,14 +402,18 @@ async def _score(
     order: deque[int] = deque()  # the lines read and not yet written, in input order
     finished: dict[int, dict[str, Any]] = {}  # answered rows waiting for the rows before them
     restored: set[int] = set()  # the lines of `finished` taken from `held`
+    sizes: dict[int, int] = {}  # the bytes of each row in `order`
+    buffered = 0  # their sum
     in_flight: dict[asyncio.Task, Row] = {}
     exhausted = False
 
     def write_ready() -> int:
         """Writes the answered rows at the head of `order`; how many."""
+        nonlocal buffered
         written = 0
         while order and order[0] in finished:
             number = order.popleft()
+            buffered -= sizes.pop(number)
             line = finished.pop(number)
             sink.write(json.dumps(line, ensure_ascii=False) + "\n")
             summary.count(line, restored=number in restored)
@@ -421,13 +427,17 @@ async def _score(
         return written
 
     def read_ahead_of_writing() -> None:
-        nonlocal exhausted
+        nonlocal exhausted, buffered
         while not stop.is_set() and not exhausted and len(order) < read_ahead:
+            if order and buffered >= READ_AHEAD_BYTES:
+                break
             row = next(rows, None)
             if row is None:
                 exhausted = True
                 break
             order.append(row.line)
+            sizes[row.line] = len(row.body)
+            buffered += len(row.body)
             kept = held.pop(row.line, None)
             if kept is not None and kept.get("custom_id") == row.custom_id:
                 finished[row.line] = kept  # answered before an interruption

@@ -216,6 +216,13 @@ def test_memory_is_bounded_by_the_read_ahead_not_the_file(tmp_path, monkeypatch)
     )
     assert worst[0] <= 16, worst[0]
 
+    # Rows of 1 KB under an 8 KB byte budget: the bytes bound the read-ahead before the row count does.
+    monkeypatch.setattr(batch, "READ_AHEAD_BYTES", 8 * 1024)
+    read[0], written[0], worst[0] = 0, 0, 0
+    lines = [json.dumps({"line": n + 1, "state": "x" * 1000}) for n in range(200)]
+    summary, out = score(stub_app(slow_lines={1}), tmp_path, lines, max_in_flight=8, read_ahead=1000, name="kb.jsonl")
+    assert summary.ok == 200 and 8 <= worst[0] <= 9, worst[0]
+
 
 def batch_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "app", "batch", *args, "--d", "cpu", "--kv-fraction", "0.1", "--no-progress"]
