@@ -3,10 +3,14 @@
 prefix-cache hit rate of each, on clef-tiny and a mid test release (CPU). The file: S states (tickets of
 ~300 words) x 4 question sets, shuffled, as a backlog scored with several questionnaires comes. The HTTP
 client sends rows in file order at each concurrency and the best one is kept; each side its own server
-process, started before the clock (only the scoring is timed). Then the runner's memory over a long file
-(a server that answers at once, so the runner alone is measured). Tables last.
+process, started before the clock (only the scoring is timed). Two caches, the same flags for both paths:
+"card", --max-model-len 4096 (the CPU plan then keeps 2,048 KV blocks, 32,768 tokens: about what clef-flash
+has on a 16 GB V100, fewer tokens than the file's states), and "host", the CPU defaults (131,072 tokens,
+enough for every state of the file: both paths then hit on every repeat and only the engine's speed counts).
+Then the runner's memory over a long file (a server that answers at once, so the runner alone is measured).
+Tables last.
 
-    python benchmarks/batch_rows.py [--rows 500] [--memory-rows 100000] [--models tiny,mid]
+    python benchmarks/batch_rows.py [--rows 500] [--memory-rows 100000] [--models tiny,mid] [--caches card,host]
 """
 
 from __future__ import annotations
@@ -57,13 +61,19 @@ def write_rows(path: Path, rows: int, model: str, seed: int = 0) -> None:
             f.write(json.dumps({"custom_id": f"row-{number}", "body": body}) + "\n")
 
 
-def serve_args(release: Path | None) -> list[str]:
-    return (["--w", str(release)] if release else []) + ["--d", "cpu", "--kv-fraction", "0.3", "--log-level", "warning"]
+CACHES = {"card": ["--max-model-len", "4096"], "host": []}
 
 
-def run_batch(release: Path | None, source: Path, sink: Path) -> tuple[float, float, str]:
+def serve_args(release: Path | None, cache: str) -> list[str]:
+    weights = ["--w", str(release)] if release else []
+    return [*weights, "--d", "cpu", "--kv-fraction", "0.3", "--log-level", "warning", *CACHES[cache]]
+
+
+def run_batch(release: Path | None, cache: str, source: Path, sink: Path) -> tuple[float, float, str]:
     """(rows/s, hit rate, summary) from the runner's own summary (scoring time, start-up excluded)."""
-    command = [sys.executable, "-m", "app", "batch", str(source), str(sink), *serve_args(release), "--no-progress"]
+    sink.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "app", "batch", str(source), str(sink), *serve_args(release, cache)]
+    command.append("--no-progress")
     done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(x for x in done.stderr.splitlines() if re.match(r"\d+ rows: ", x))
@@ -91,7 +101,7 @@ async def _drive(url: str, bodies: list[dict], concurrency: int) -> tuple[float,
 
 
 def run_http(
-    release: Path | None, source: Path, concurrencies: list[int], model: str
+    release: Path | None, cache: str, source: Path, concurrencies: list[int]
 ) -> list[tuple[int, float, float]]:
     """(concurrency, rows/s, hit rate) for each, each against a fresh server (no cache warm from the last)."""
     from live import clef_serve_process
@@ -99,7 +109,7 @@ def run_http(
     bodies = [json.loads(line)["body"] for line in source.read_text().splitlines()]
     results = []
     for concurrency in concurrencies:
-        with clef_serve_process(*serve_args(release), "--max-queue", "1024") as (url, _, _):
+        with clef_serve_process(*serve_args(release, cache), "--max-queue", "1024") as (url, _, _):
             httpx.post(f"{url}/v1/systemone", json=bodies[0] | {"state": "warm"}, timeout=600)  # not a row's state
             seconds, hits = asyncio.run(_drive(url, bodies, concurrency))
         results.append((concurrency, len(bodies) / seconds, hits / len(bodies)))
@@ -141,6 +151,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=500)
     parser.add_argument("--memory-rows", type=int, default=100_000)
     parser.add_argument("--models", default="tiny,mid")
+    parser.add_argument("--caches", default="card,host")
     parser.add_argument("--concurrency", default="4,8,16,32", help="the HTTP client's concurrencies tried")
     args = parser.parse_args()
     os.environ.setdefault("CLEF_FINETUNE_JSM", "vendored")
@@ -149,17 +160,18 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     table = []
     with tempfile.TemporaryDirectory() as scratch:
-        for name in args.models.split(","):
+        for name in filter(None, args.models.split(",")):
             release, model = (None, "clef-tiny") if name == "tiny" else (mid_release(), "clef-flash")
             source = Path(scratch) / f"{name}.jsonl"
             write_rows(source, args.rows, model)
-            rate, hit_rate, line = run_batch(release, source, Path(scratch) / f"{name}.out.jsonl")
-            print(f"{name}: batch: {line}", flush=True)
-            http = run_http(release, source, concurrencies, model)
-            for concurrency, http_rate, http_hits in http:
-                print(f"{name}: HTTP at {concurrency}: {http_rate:.2f} rows/s, hit rate {http_hits:.0%}", flush=True)
-            best = max(http, key=lambda r: r[1])
-            table.append((name, rate, hit_rate, best, http))
+            for cache in args.caches.split(","):
+                rate, hit_rate, line = run_batch(release, cache, source, Path(scratch) / f"{name}.out.jsonl")
+                print(f"{name}, {cache} cache: batch: {line}", flush=True)
+                http = run_http(release, cache, source, concurrencies)
+                for concurrency, http_rate, http_hits in http:
+                    print(f"{name}, {cache} cache: HTTP at {concurrency}: {http_rate:.2f} rows/s, hits {http_hits:.0%}")
+                best = max(http, key=lambda r: r[1])
+                table.append((name, cache, rate, hit_rate, best))
     memory = runner_memory(args.memory_rows) if args.memory_rows else []
 
     cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
@@ -167,11 +179,14 @@ def main() -> None:
         f"\nbatch vs HTTP: {args.rows} rows ({args.rows // len(QUESTION_SETS)} states x {len(QUESTION_SETS)}"
         f" question sets, shuffled), {cpu}, {os.cpu_count()} cores"
     )
-    print(f"{'model':<6} {'batch rows/s':>12} {'hits':>5} {'HTTP best rows/s':>16} {'at':>3} {'hits':>5} {'ratio':>6}")
-    for name, rate, hit_rate, (concurrency, http_rate, http_hits), _ in table:
+    print(
+        f"{'model':<6} {'cache':<5} {'batch rows/s':>12} {'hits':>5} {'HTTP best rows/s':>16} {'at':>3} {'hits':>5}"
+        f" {'ratio':>6}"
+    )
+    for name, cache, rate, hit_rate, (concurrency, http_rate, http_hits) in table:
         print(
-            f"{name:<6} {rate:>12.2f} {hit_rate:>5.0%} {http_rate:>16.2f} {concurrency:>3} {http_hits:>5.0%}"
-            f" {rate / http_rate:>5.2f}x"
+            f"{name:<6} {cache:<5} {rate:>12.2f} {hit_rate:>5.0%} {http_rate:>16.2f} {concurrency:>3}"
+            f" {http_hits:>5.0%} {rate / http_rate:>5.2f}x"
         )
     if memory:
         print(f"\nthe runner's memory over {args.memory_rows} rows (read-ahead 1,024; a server answering at once)")

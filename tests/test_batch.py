@@ -167,7 +167,8 @@ def stub_app(fail_lines=(), busy_lines=(), slow_lines=(), delay=0.0) -> FastAPI:
             await asyncio.sleep(0.2)
         if line in fail_lines:
             return _json(500, {"detail": {"error_type": "internal_error", "message": "the server failed: injected"}})
-        tries[line] = tries.get(line, 0) + 1
+        if line in busy_lines:
+            tries[line] = tries.get(line, 0) + 1
         if line in busy_lines and tries[line] <= 2:
             return _json(503, {"detail": {"error_type": "overloaded_error", "message": "busy"}}, {"Retry-After": "0"})
         return {"model": "m", "answers": {"line": line}, "usage": {"input_tokens": 1}, "x_cached_tokens": 0}
