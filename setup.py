@@ -4,7 +4,7 @@ CLEF_CUDA_BUILD=auto (default) builds the CUDA kernels when torch has CUDA and n
 CPU-only extension otherwise; =cuda forces CUDA (and fails, saying what is missing, without a
 toolchain); =cpu forces the CPU-only build. TORCH_CUDA_ARCH_LIST is respected; by default the kernels
 are built for 6.0;7.0;7.5;8.0;9.0+PTX;10.0;12.0 minus what the local nvcc cannot target (nvcc 13 cannot
-target sm_60 or sm_70: build for Pascal and V100 with a CUDA 12.x toolchain, see README; before 12.8 there
+target sm_60 or sm_70: build for Pascal and V100 with a CUDA 12.x toolchain, see docs/development.md; before 12.8 there
 is no 10.0 or 12.0, and 9.0's PTX covers them). MAX_JOBS bounds the parallel compile jobs.
 """
 
@@ -92,7 +92,7 @@ def choose_archs(version: str, supported: set[str]) -> list[str]:
             fail(
                 f"TORCH_CUDA_ARCH_LIST={requested!r} asks for {', '.join(missing)}, which nvcc {version} cannot "
                 f"target (it supports {', '.join(sorted(supported, key=float))}). sm_70 (V100) needs a CUDA 12.x "
-                "toolchain and a torch built with sm_70: see README, 'Building for V100'."
+                "toolchain and a torch built with sm_70: see docs/development.md, 'Building for V100'."
             )
         print(f"clef_cuda: building CUDA kernels for {';'.join(archs)} (TORCH_CUDA_ARCH_LIST)")
         return archs
@@ -100,7 +100,7 @@ def choose_archs(version: str, supported: set[str]) -> list[str]:
     for dropped in (a.removesuffix("+PTX") for a in DEFAULT_ARCHS if a.removesuffix("+PTX") not in supported):
         why = ""
         if dropped in ("6.0", "7.0"):
-            why = " (use a CUDA 12.x toolchain for Pascal and V100, see README)"
+            why = " (use a CUDA 12.x toolchain for Pascal and V100, see docs/development.md)"
         elif dropped in ("10.0", "12.0"):
             why = " (CUDA 12.8 or newer has it; until then sm_90's embedded PTX is JIT-compiled there)"
         print(f"clef_cuda: dropping sm_{dropped.replace('.', '')}: nvcc {version} cannot target it{why}")

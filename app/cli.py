@@ -30,6 +30,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Every flag's help says its default: its own words where they do, else argparse's value (off for a
+    switch, none where there is none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            return f"{text} (default: off)"
+        return f"{text} (default: {'none' if action.default in (None, []) else '%(default)s'})"
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -73,27 +86,38 @@ def _duration(text: str) -> float | None:
 def build_parser(
     prog: str = "clef-serve", description: str = "Serve a clef-flash release over TypeSafe's System One API."
 ) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=description, allow_abbrev=False)
-    p.add_argument("--w", "--weights", dest="weights", help="release directory (default: the embedded default model)")
-    p.add_argument(
+    p = _Parser(prog=prog, description=description, allow_abbrev=False, formatter_class=_HelpWithDefaults)
+    # --help in the groups a reader looks for a flag in (README, docs/operations.md#flags)
+    serving = p.add_argument_group("serving: the model, the device, the listener")
+    memory = p.add_argument_group("memory: the plan, int8, the engine's batch and caches")
+    verification = p.add_argument_group(
+        "verification: the self-check, autotune, kernel trials, shadow (docs/verifying.md)"
+    )
+    clients = p.add_argument_group("clients: requests, answers and their limits (docs/clients.md)")
+    variants = p.add_argument_group("variants: fine-tuned LoRA checkpoints served beside the base")
+    scale = p.add_argument_group("scale: tensor parallel over the cards of one machine")
+    serving.add_argument(
+        "--w", "--weights", dest="weights", help="release directory (default: the embedded default model)"
+    )
+    serving.add_argument(
         "--d",
         "--device",
         dest="device",
         help="GPU index (0, 1, ...), 'cuda[:N]' or 'cpu' (default: GPU 0 if there is one, else cpu)",
     )
-    p.add_argument(
+    serving.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         help="serving dtype (default: f16 on a GPU, f32 on sm_61 (f16 at 1/64 there) and on the CPU; bf16 needs sm_80)",
     )
-    p.add_argument(
+    memory.add_argument(
         "--quantize",
         choices=QUANTIZE_MODES,
         default="none",
         help="int8: the trunk's linear layers and embeddings as int8 with per-row scales (W8A16, quantized "
         "while loading; about half the f16 weights: clef-flash on 12-16 GB cards)",
     )
-    p.add_argument(
+    scale.add_argument(
         "--tensor-parallel-size",
         "--tp",
         dest="tensor_parallel_size",
@@ -102,13 +126,13 @@ def build_parser(
         help="shard the trunk over this many cards of this machine (1, 2, 4: --d and the next ones; the heads "
         "must divide), each run by a worker process clef-serve starts; on the CPU the workers share it",
     )
-    p.add_argument(
+    scale.add_argument(
         "--tensor-parallel-timeout",
         type=_duration,
         default=60.0,
         help="a step's collective that takes longer (a hung rank) fails the group: /ready 503, then exit 5",
     )
-    p.add_argument(
+    memory.add_argument(
         "--vocab-tables",
         choices=VOCAB_TABLES,
         default="auto",
@@ -116,155 +140,166 @@ def build_parser(
         "memory, the rows a step needs copied over), or auto (on a GPU: host when the plan fits only so or the cache "
         "then holds more KV tokens)",
     )
-    p.add_argument(
+    memory.add_argument(
         "--plan",
         action="store_true",
         help="print the memory plan (weights by part, scratch, activations, the cache --kv-fraction buys) from "
         "config.json and the safetensors headers alone, then exit 0 if it fits, 3 if it does not",
     )
-    p.add_argument(
+    memory.add_argument(
         "--gpu-memory",
         help="the GPU memory to plan for, e.g. 16GiB or 12GB (with --plan: a card you do not have here; default: "
         "the free memory of --d)",
     )
-    p.add_argument("--p", "--port", dest="port", type=_positive_int, default=8080)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=4, help="sequences prefilled together")
-    p.add_argument(
+    serving.add_argument("--p", "--port", dest="port", type=_positive_int, default=8080, help="TCP port to listen on")
+    serving.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    memory.add_argument("--max-num-seqs", type=_positive_int, default=4, help="sequences prefilled together")
+    memory.add_argument(
         "--kv-fraction",
         type=_fraction,
         default=0.30,
         help="fraction of the free device memory (after weights) for KV blocks and state slots",
     )
-    p.add_argument("--prefill-chunk-size", type=_positive_int, default=1024, help="new tokens per sequence per step")
-    p.add_argument("--max-model-len", type=_positive_int, default=16384, help="token budget of one record")
-    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
-    p.add_argument("--disable-prefix-cache", action="store_true", help="turn prefix caching off")
-    p.add_argument(
+    memory.add_argument(
+        "--prefill-chunk-size", type=_positive_int, default=1024, help="new tokens per sequence per step"
+    )
+    memory.add_argument("--max-model-len", type=_positive_int, default=16384, help="token budget of one record")
+    memory.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    memory.add_argument("--disable-prefix-cache", action="store_true", help="turn prefix caching off")
+    serving.add_argument(
         "--api-key",
         default=os.environ.get("CLEF_API_KEY"),
         help="require 'Authorization: Bearer <key>' (default: $CLEF_API_KEY; none: no auth)",
     )
-    p.add_argument(
+    serving.add_argument(
         "--served-model-name",
         default=None,
         help="the model name clients send (default: the release's, clef for clef 27B and clef-flash otherwise; "
         "clef-tiny for the embedded demo model)",
     )
-    p.add_argument("--confidence", choices=["clef", "typesafe"], default="clef")
-    p.add_argument(
+    clients.add_argument(
+        "--confidence",
+        choices=["clef", "typesafe"],
+        default="clef",
+        help="a choice's and a score's confidence: the top probability (clef, the reference's) or TypeSafe's",
+    )
+    clients.add_argument(
         "--state-overflow",
         choices=["reject", "truncate"],
         default="reject",
         help="over --max-model-len: reject with 413, or keep the head of the state (the reference)",
     )
-    p.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 503")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=32 * 2**20, help="request body limit (413)")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gives up (503)")
-    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (408)")
-    p.add_argument(
+    clients.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 503")
+    clients.add_argument("--max-body-bytes", type=_positive_int, default=32 * 2**20, help="request body limit (413)")
+    clients.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gives up (503)")
+    clients.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (408)")
+    serving.add_argument(
         "--drain-timeout",
         type=float,
         default=90.0,
         help="on SIGTERM: seconds to let in-flight requests finish (new ones get 503) before exiting",
     )
-    p.add_argument("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
-    p.add_argument(
+    serving.add_argument("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
+    serving.add_argument(
         "--no-vllm-metric-aliases",
         dest="vllm_metric_aliases",
         action="store_false",
         help="do not also export the protocol gauges under vLLM's names (vllm:num_requests_waiting, ...)",
     )
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
-    p.add_argument(
+    serving.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], default="info", help="the least severe logged"
+    )
+    serving.add_argument(
         "--log-format",
         choices=LOG_FORMATS,
         default="text",
         help="text, or json: one object per line (decision lines carry request id, status, tokens, timings)",
     )
-    p.add_argument(
+    verification.add_argument(
         "--selfcheck",
         choices=SELFCHECK_MODES,
         default="enforce",
         help="the on-device kernel self-check before /ready: enforce (a failure keeps the server unready and "
         "refuses decisions), warn (serve anyway, loudly), off",
     )
-    p.add_argument(
+    verification.add_argument(
         "--autotune",
         choices=AUTOTUNE_MODES,
         default="fast",
         help="time every self-checked implementation of each op at this model's shapes on this device at start-up "
         "and run the fastest per call shape (fast: 6 buckets; full: more; off: the dispatch rule's kernels)",
     )
-    p.add_argument(
+    verification.add_argument(
         "--autotune-cache",
         default=str(Path.home() / ".cache" / "clef-cuda" / "autotune"),
         help="directory caching the autotune's choices by device, driver, torch and package version ('' = none)",
     )
-    p.add_argument(
+    verification.add_argument(
         "--kernel-trials",
         choices=KERNEL_TRIALS,
         default="auto",
         help="where every kernel first runs on a device without an autotune cache entry: child (a trial process, "
         "so a kernel that faults cannot take the server down), inline, or auto (child on a GPU)",
     )
-    p.add_argument(
+    verification.add_argument(
         "--selfcheck-interval",
         type=_duration,
         default=None,
         help="repeat the self-check this often while serving, when idle (e.g. 1h; default off), --selfcheck's mode",
     )
-    p.add_argument(
+    verification.add_argument(
         "--shadow-rate",
         type=_rate,
         default=0.01,
         help="fraction of answered records re-decided on the reference ops while idle, their answers compared "
         "(1: every record; 0: none)",
     )
-    p.add_argument(
+    verification.add_argument(
         "--shadow-mode",
         choices=SELFCHECK_MODES,
         default="enforce",
         help="enforce: after --shadow-max-mismatches mismatches /ready and decisions turn 503 (/health stays 200); "
         "warn: keep serving, log loudly; off",
     )
-    p.add_argument(
+    verification.add_argument(
         "--shadow-max-mismatches", type=_positive_int, default=1, help="mismatches before enforce mode stops answering"
     )
-    p.add_argument(
+    verification.add_argument(
         "--shadow-min-interval",
         type=_duration,
         default=300.0,
         help="under a load that leaves no idle time: once no sample finished for this long (default 5m), steps "
         "give the shadow run a chunk, at most 2%% of their time ('off': never)",
     )
-    p.add_argument(
+    verification.add_argument(
         "--selfcheck-only",
         action="store_true",
         help="load the model, run the on-device self-check, print its table and exit 0 (passed) or 1 (failed)",
     )
-    p.add_argument(
+    clients.add_argument(
         "--max-json-depth",
         type=_positive_int,
         default=256,
         help="request bodies nested deeper are refused (422) before they are parsed",
     )
-    p.add_argument("--max-images", type=_positive_int, default=4, help="images per request (4 MiB each, 8 MiB in all)")
-    p.add_argument(
+    clients.add_argument(
+        "--max-images", type=_positive_int, default=4, help="images per request (4 MiB each, 8 MiB in all)"
+    )
+    clients.add_argument(
         "--image-max-pixels",
         type=_positive_int,
         default=None,
         help="resize budget per image (default: the release's processor; 1048576 sizes images as Cloudflare's "
         "hosted service does, at most 1024 tokens each)",
     )
-    p.add_argument(
+    memory.add_argument(
         "--vision-cache-mib",
         type=_positive_int,
         default=256,
         help="device memory (rank 0's host memory under --tp) for vision-tower outputs kept by image digest (a "
         "repeated image skips the tower)",
     )
-    p.add_argument(
+    variants.add_argument(
         "--adapter",
         "--lora-modules",
         dest="adapters",
@@ -275,16 +310,18 @@ def build_parser(
         help="a fine-tuned variant: a clef-finetune checkpoint-N directory served as model NAME (repeatable; "
         'vLLM\'s --lora-modules NAME=DIR and {"name": ..., "path": ...} forms are accepted)',
     )
-    p.add_argument("--max-adapters", type=_positive_int, default=8, help="variants held at once")
-    p.add_argument("--max-adapter-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
-    p.add_argument("--adapter-head-dtype", choices=sorted(DTYPES), default="f32", help="dtype of the variants' heads")
-    p.add_argument(
+    variants.add_argument("--max-adapters", type=_positive_int, default=8, help="variants held at once")
+    variants.add_argument("--max-adapter-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
+    variants.add_argument(
+        "--adapter-head-dtype", choices=sorted(DTYPES), default="f32", help="dtype of the variants' heads"
+    )
+    variants.add_argument(
         "--enable-adapter-loading",
         action="store_true",
         help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --api-key and --adapter-root)",
     )
-    p.add_argument("--adapter-root", help="the only directory runtime-loaded adapters are read from")
-    p.add_argument(
+    variants.add_argument("--adapter-root", help="the only directory runtime-loaded adapters are read from")
+    clients.add_argument(
         "--client-special-tokens",
         choices=CLIENT_SPECIAL_TOKENS,
         default="control",
@@ -715,25 +752,28 @@ def batch_main(argv: list[str]) -> int:
         "Score a file of System One requests (JSON lines) into OUTPUT, in input order, with the serving flags' "
         "model and engine; a rerun resumes.",
     )
-    parser.add_argument(
+    batch_flags = parser.add_argument_group("batch: the files and how the engine is fed (docs/clients.md)")
+    batch_flags.add_argument(
         "input",
         metavar="INPUT.jsonl",
         help="one request a line: a System One body or "
         '{"custom_id", "method", "url", "body"} (the OpenAI / vLLM batch form)',
     )
-    parser.add_argument("output", metavar="OUTPUT.jsonl", help="one record a line, in input order; appended to")
-    parser.add_argument(
+    batch_flags.add_argument("output", metavar="OUTPUT.jsonl", help="one record a line, in input order; appended to")
+    batch_flags.add_argument(
         "--max-in-flight",
         type=_positive_int,
         help="rows submitted at once (default: 4 x --max-num-seqs: the engine always has the next step's rows)",
     )
-    parser.add_argument(
+    batch_flags.add_argument(
         "--read-ahead",
         type=_positive_int,
         default=1024,
         help="rows read ahead of the last one written (bounds memory; rows with one state are grouped within it)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (the summary is still printed)")
+    batch_flags.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (the summary is still printed)"
+    )
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("clef_serve")

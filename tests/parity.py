@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterator
 
 # max |p_ours - p_reference| for the fp32 CPU path against the fp32 reference on the test releases
-# (README, Test; measured worst 1.1e-6 on the test releases, 4.5e-7 on the merges, 7.2e-7 on clef-tiny).
+# (docs/development.md, Test; measured worst 1.1e-6 on the test releases, 4.5e-7 on the merges, 7.2e-7 on clef-tiny).
 PARITY_BOUND = 1e-5
 HALF_UNIT = 0.5e-4  # answers are rounded to 4 decimals
 

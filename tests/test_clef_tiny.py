@@ -171,11 +171,11 @@ def test_the_upstream_reference_decides_like_us_on_the_shipped_model(tmp_path):
         check_against_reference(decider, reference, request)
 
 
-def _readme_example(name: str = "readme-example") -> tuple[dict, dict, str]:
-    """The request, the response and the route of a curl example in README.md (`<!-- NAME -->` above it)."""
-    text = (ROOT / "README.md").read_text()
+def _readme_example(name: str = "readme-example", document: str = "README.md") -> tuple[dict, dict, str]:
+    """The request, the response and the route of a curl example in `document` (`<!-- NAME -->` above it)."""
+    text = (ROOT / document).read_text()
     block = re.search(rf"<!-- {name} -->\s*```\n(.*?)```", text, re.S)
-    assert block, f"README.md lost its <!-- {name} --> block"
+    assert block, f"{document} lost its <!-- {name} --> block"
     request = re.search(r"-d '(.*?)'\n", block.group(1), re.S)
     route = re.search(r"curl -s localhost:8080(\S+)", block.group(1)).group(1)
     response = block.group(1).strip().splitlines()[-1]
@@ -196,9 +196,9 @@ def test_readme_curl_example_answers_as_printed(clef_serve):
 
 
 def test_readme_workers_ai_example_answers_as_printed(clef_serve):
-    """The "switch from Workers AI" example: the same route, envelope and hosted confidence as printed."""
+    """docs/clients.md's "switch from Workers AI" example: the same route, envelope and hosted confidence."""
     url, _ = clef_serve
-    request, printed, route = _readme_example("readme-example: workers-ai")
+    request, printed, route = _readme_example("readme-example: workers-ai", "docs/clients.md")
     assert route.startswith("/client/v4/accounts/") and route.endswith(f"/@cf/cloudflare/{default_model.NAME}")
     response = httpx.post(f"{url}{route}", json=request, timeout=60)
     assert response.status_code == 200, response.text

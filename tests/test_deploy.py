@@ -154,10 +154,10 @@ def test_pdb_and_hpa_target_the_deployment():
     assert metric in exported
 
 
-@pytest.mark.parametrize("doc", ["docs/operations.md", "README.md"])
+@pytest.mark.parametrize("doc", ["docs/operations.md", "docs/development.md"])
 def test_documents_name_the_exact_build_and_sizing(doc):
     text = (ROOT / doc).read_text()
-    if doc == "README.md":
+    if doc == "docs/development.md":
         assert "TORCH_CUDA_ARCH_LIST=7.0" in text
     else:
         assert "--kv-fraction" in text and "V100" in text and "rollout undo" in text

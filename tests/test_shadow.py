@@ -135,7 +135,7 @@ def test_healthy_kernels_give_no_mismatch_over_200_records_with_images_and_varia
         engine.stop(30)
     stats = engine.shadow.stats
     # No enforced mismatch, and the tolerances hold with their margin (no record even marginal): 1.1e-5 is the worst
-    # seen on AVX-512, 3.5e-6 on AVX2 (pinned as the README says), against 5e-5.
+    # seen on AVX-512, 3.5e-6 on AVX2 (pinned as docs/development.md says), against 5e-5.
     assert (stats.match, stats.mismatch, stats.marginal, stats.dropped) == (200, 0, 0, 0), stats
     assert 0 < stats.max_abs_error <= engine.shadow.tolerance
     assert registry.get("tuned").users == 0  # every sample let go of its hold on the variant

@@ -350,13 +350,13 @@ def test_the_probe_sees_a_fetch_and_an_open(no_fetch_no_open):
 
 
 def test_readme_image_example_answers_as_printed(decider):
-    """README.md's image example, against the same upstream test release (seed 0), in-process."""
+    """docs/clients.md's image example, against the same upstream test release (seed 0), in-process."""
     import json
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    text = (root / "README.md").read_text()
+    text = (root / "docs" / "clients.md").read_text()
     block = re.search(r"<!-- readme-image-example -->\s*```\n(.*?)```", text, re.S).group(1)
     image = b64((root / "docs" / "dented-car.png").read_bytes())
     raw = re.search(r"-d '(.*?)'\n", block, re.S).group(1).replace("'$(base64 -w0 docs/dented-car.png)'", image)

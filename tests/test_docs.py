@@ -1,0 +1,133 @@
+"""The front page and the manual: README.md stays a front page (the two commands, the flags a first deployment
+needs, /ready, a link per feature), and every relative link in README.md and docs/ reaches a file and, where it
+names one, a heading there. Each check returns its problems and is shown to catch an injected fault."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FRONT_PAGE_LINES = 200
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (hyphens and underscores kept), spaces
+    to hyphens."""
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    found, seen = set(), {}
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and (match := re.match(r"#{1,6} (.+)", line)):
+            base = slug(match.group(1))
+            count = seen.get(base, 0)
+            found.add(base if count == 0 else f"{base}-{count}")
+            seen[base] = count + 1
+    return found
+
+
+def link_problems(document: Path, text: str | None = None) -> list[str]:
+    """Every relative link of `document` that names no file, or a heading its file lacks."""
+    text = document.read_text() if text is None else text
+    text_outside_code = re.sub(r"```.*?```", "", text, flags=re.S)
+    problems = []
+    for target in LINK.findall(text_outside_code):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto: (not checked: no network here)
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (document.parent / path).resolve() if path else document
+        if not resolved.exists():
+            problems.append(f"{document.name}: {target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved.read_text()):
+            problems.append(f"{document.name}: {target}: no heading #{anchor} in {resolved.name}")
+    return problems
+
+
+def front_page_problems(text: str) -> list[str]:
+    problems = []
+    lines = text.count("\n")
+    if lines > FRONT_PAGE_LINES:
+        problems.append(f"README.md has {lines} lines: a front page has at most {FRONT_PAGE_LINES}")
+    headings = anchors(text)
+    for needed in ("serve", "test", "deploy-on-your-cards", "is-it-ready"):
+        if needed not in headings:
+            problems.append(f"README.md lost its heading #{needed}")
+    for words in ("make serve", "make test", "--plan", "--quantize", "--tensor-parallel-size", "--api-key", "/ready"):
+        if words not in text:
+            problems.append(f"README.md no longer says {words!r}")
+    return problems
+
+
+def test_every_relative_link_reaches_its_file_and_heading():
+    problems = [problem for document in DOCUMENTS for problem in link_problems(document)]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_broken_link_or_anchor_is_caught():
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    assert link_problems(readme, text + "\n[x](docs/nowhere.md)\n") == ["README.md: docs/nowhere.md: no such file"]
+    assert link_problems(readme, text + "\n[x](docs/operations.md#no-such-heading)\n") == [
+        "README.md: docs/operations.md#no-such-heading: no heading #no-such-heading in operations.md"
+    ]
+
+
+def test_the_readme_is_a_front_page():
+    text = (ROOT / "README.md").read_text()
+    assert not front_page_problems(text), front_page_problems(text)
+    assert front_page_problems(text + "x\n" * FRONT_PAGE_LINES)  # the fault: the manual pasted back in
+    assert front_page_problems(text.replace("## Is it ready?", "## Probes"))
+
+
+def test_slugs_follow_githubs_rule():
+    assert slug("Metrics to alert on (`GET /metrics`)") == "metrics-to-alert-on-get-metrics"
+    assert slug("Scoring a file: `clef-serve batch`") == "scoring-a-file-clef-serve-batch"
+    assert slug("Building for V100 (sm_70) and Pascal (sm_60/61)") == "building-for-v100-sm_70-and-pascal-sm_6061"
+
+
+# ---- clef-serve --help: grouped as the docs are, every flag's default said ------------------------------
+HELP_GROUPS = ("serving", "memory", "verification", "clients", "variants", "scale")
+
+
+def help_problems(parser) -> list[str]:
+    problems = []
+    formatter = parser._get_formatter()
+    grouped = {
+        id(action)
+        for group in parser._action_groups
+        if group.title.split(":")[0] in HELP_GROUPS
+        for action in group._group_actions
+    }
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        if id(action) not in grouped:
+            problems.append(f"{flag}: in no group of {HELP_GROUPS}")
+        if not action.help or "default" not in formatter._expand_help(action):
+            problems.append(f"{flag}: its help does not say its default")
+    return problems
+
+
+def test_every_flag_is_in_a_group_and_says_its_default():
+    from app.cli import build_parser
+
+    parser = build_parser()
+    assert not help_problems(parser), help_problems(parser)
+    titles = [group.title.split(":")[0] for group in parser._action_groups][2:]
+    assert titles == list(HELP_GROUPS)
+    broken = build_parser()
+    broken.add_argument("--stray", type=int, default=3)  # the fault: a flag added outside the groups, no help
+    assert help_problems(broken) == [
+        "--stray: in no group of " + str(HELP_GROUPS),
+        "--stray: its help does not say its default",
+    ]
