@@ -1,7 +1,13 @@
 # The two entry points the README documents.
 VENV ?= .venv
 
-.PHONY: setup serve test check-sm70 check-archs lint bench
+.PHONY: setup serve test test-fast check-sm70 check-archs lint bench
+
+# The edit-test loop (under 5 minutes on 2 cores): the kernels against their references (the CUDA simulator
+# included) and the key-band tests, parity with Cloudflare's reference, encoding and answers, the server's contract.
+FAST_TESTS = tests/test_conv1d.py tests/test_gated_delta_rule.py tests/test_paged_attention.py tests/test_glue.py \
+	tests/test_key_band.py tests/test_parity.py tests/test_encoding.py tests/test_answers.py tests/test_intake.py \
+	tests/test_server.py
 
 setup:
 	bash scripts/setup_env.sh
@@ -14,6 +20,9 @@ serve: setup
 # Sets everything up (first run: a few minutes), then runs the test suite.
 test: setup
 	$(VENV)/bin/python -m pytest -q
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q $(FAST_TESTS)
 
 # Every kernel compiled for sm_60 ... sm_120 with CUDA 12.9's NVRTC: registers, spills, barriers, shared memory, tiles.
 check-archs: setup
