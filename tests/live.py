@@ -48,6 +48,19 @@ def live_server(engine: Engine, settings: ServerSettings):
         thread.join(30)
 
 
+class GatedEngine(Engine):
+    """An engine whose scheduler admits nothing until `gate` is set (or 60 s pass): a test fills its queue
+    first, then lets it run."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def _admit(self):
+        self.gate.wait(60)
+        super()._admit()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import zstandard
 from fastapi.testclient import TestClient
+from live import GatedEngine
 from prometheus_client.parser import text_string_to_metric_families
 from random_requests import random_request
 from releases import tiny_release
@@ -221,13 +222,6 @@ def test_not_ready_and_queue_full_are_503_with_retry_after(decider):
         assert response.headers["retry-after"]
         assert "no weights" in c.get("/ready").json()["detail"]["message"]
 
-    class GatedEngine(Engine):  # its scheduler waits for the test's go before admitting anything
-        gate = threading.Event()
-
-        def _admit(self):
-            self.gate.wait(60)
-            super()._admit()
-
     engine = GatedEngine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.05, max_queue=1))
     app = create_app(ServerSettings(), engine=engine, warm_up=False)
     with TestClient(app) as c:
@@ -235,7 +229,7 @@ def test_not_ready_and_queue_full_are_503_with_retry_after(decider):
         response = c.post("/v1/systemone", json=OK)
         assert_error(response, 503, "overloaded_error")
         assert response.headers["retry-after"] == "1"
-        GatedEngine.gate.set()
+        engine.gate.set()
         assert first.future.result(60)["answers"]["outage"]["type"] == "noul"
 
 

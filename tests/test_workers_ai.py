@@ -4,11 +4,10 @@ error case third-party clients document, replayed, its status, code and envelope
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from fastapi.testclient import TestClient
 from images import data_url, png
+from live import GatedEngine
 from releases import tiny_release, vision_release
 
 from app.server import ServerSettings, create_app
@@ -140,20 +139,13 @@ def test_each_documented_error_has_its_status_code_and_envelope(client, case, st
 def test_a_full_queue_is_429_3040_with_retry_after(decider):
     """Our 503 overload (the queue full) is the hosted API's capacity error there, Retry-After kept."""
 
-    class GatedEngine(Engine):  # its scheduler waits for the test's go before admitting anything
-        gate = threading.Event()
-
-        def _admit(self):
-            self.gate.wait(60)
-            super()._admit()
-
     engine = GatedEngine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.05, max_queue=1))
     with TestClient(create_app(ServerSettings(), engine=engine, warm_up=False)) as c:
         first = engine.submit(BODY | {"model": "clef-flash"})  # takes the one queue place
         response = run(c, headers={})
         assert_failure(response, 429, 3040, "queue")
         assert response.headers["retry-after"] == "1"
-        GatedEngine.gate.set()
+        engine.gate.set()
         assert first.future.result(60)["answers"]["outage"]["type"] == "noul"
 
 
