@@ -311,3 +311,28 @@ def test_a_candidate_wrong_only_at_long_contexts_is_rejected_there_and_chosen_el
     choices = report.choices["paged_attention"]
     assert all(choices[b] != "wrong-long" for b in long_buckets)
     assert any(choice == "wrong-long" for b, choice in choices.items() if b not in long_buckets)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  Tue Sep 30 2025\nGCC version: 12\n",
+            "580.159.04",
+        ),
+        ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  575.57.08  Release Build\n", "575.57.08"),
+    ],
+)
+def test_the_cache_key_names_the_nvidia_driver(tmp_path, text, expected):
+    """The driver JIT-compiles PTX, so a tuning is keyed by it; torch has no public call for its version (the
+    first GPU run's autotune failed on a private one torch 2.11 lacks), so it is read from the driver's file."""
+    driver_file = tmp_path / "version"
+    driver_file.write_text(text)
+    assert tuning.cuda_driver_version(driver_file) == expected
+
+
+def test_without_a_driver_the_version_is_unknown_not_an_error(tmp_path):
+    """No /proc file and no libcuda (a CPU machine, a container without the driver): a string, never a raise."""
+    assert tuning.cuda_driver_version(tmp_path / "absent") in {"unknown"} | {
+        f"cuda {v}" for v in range(9000, 20000, 10)
+    }

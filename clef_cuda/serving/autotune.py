@@ -38,6 +38,7 @@ log list them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import json
@@ -45,6 +46,7 @@ import logging
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -511,13 +513,35 @@ def int8_policy(choices: dict[str, str], config) -> list[tuple[int, str]]:
 
 
 # ---- the cache and the entry point --------------------------------------------------------------------
+NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")
+
+
+def cuda_driver_version(driver_file: Path = NVIDIA_DRIVER_FILE) -> str:
+    """The NVIDIA driver's version ("580.159.04"), which JIT-compiles PTX and so belongs in the cache key; else
+    the CUDA version the driver supports ("cuda 13000", from libcuda); else "unknown". Never raises: torch has
+    no public call for it (torch 2.11 has neither torch.cuda.driver_version nor _cuda_getDriverVersion, and
+    the first GPU run of the autotune failed on that)."""
+    try:
+        match = re.search(r"Kernel Module\s+(?:for \S+\s+)?([0-9][0-9.]+)", driver_file.read_text())
+        if match:
+            return match.group(1)
+    except OSError:
+        pass
+    try:
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return f"cuda {version.value}"
+    except (OSError, AttributeError):
+        pass
+    return "unknown"
+
+
 def cache_key(trunk: Trunk, config, mode: str, buckets: list[Bucket]) -> dict:
     """What makes a tuning valid: the device and its software, the model's attention shapes, the buckets."""
     device = trunk.device
     if device.type == "cuda":
         where = {"device": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
-        with_driver = getattr(torch.cuda, "driver_version", None)
-        where["driver"] = str(with_driver() if callable(with_driver) else torch._C._cuda_getDriverVersion())
+        where["driver"] = cuda_driver_version()
     else:
         where = {"device": f"cpu {platform.processor() or platform.machine()}", "cpu_isa": ops.cpu_isa()}
         where["cpu_model"] = _cpu_model()
