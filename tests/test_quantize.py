@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import simulated
+from conftest import cuda_available, simulated
 from parity import INT8_BOUNDS
 from random_requests import random_request
 from releases import mid_release, tiny_release
@@ -370,3 +370,14 @@ def test_compare_names_a_bad_file_line_or_flag_in_one_line(tmp_path, args, words
     args = [str(tmp_path / a) if a.endswith(".jsonl") else a for a in args]
     result = compare("--w", str(RELEASES["upstream-tiny"]()), *args)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="needs a GPU and the CUDA build")
+def test_the_quantizer_gives_the_gpu_the_cpus_bits():
+    """A table quantized on the device (--vocab-tables device) and on the host (--vocab-tables host) must be the
+    same int8 rows and scales: the first GPU run found the device's scales a last bit off (torch divided by the
+    number 127 as a multiply by its reciprocal there), so the two placements answered differently."""
+    weight = torch.randn(4096, 64) * torch.logspace(-3, 1, 4096)[:, None]
+    on_cpu, on_gpu = quantize_int8(weight, torch.float16), quantize_int8(weight, torch.float16, device="cuda")
+    assert torch.equal(on_gpu.scale.cpu(), on_cpu.scale) and torch.equal(on_gpu.qweight.cpu(), on_cpu.qweight)

@@ -129,7 +129,10 @@ def quantize_int8(weight: Tensor, dtype: torch.dtype, device: torch.device | str
         block = weight[r0 : r0 + step].to(device).float()  # the tensor itself when it is fp32 there: read only
         low, high = block.aminmax(dim=1)
         absmax = torch.maximum(-low, high)
-        s = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+        # A tensor divisor, not the number 127: torch on a GPU divides by a Python number as a multiply by its
+        # reciprocal, a last-bit different scale than the CPU's true quotient (a table quantized on the host
+        # and on the device then dequantized to different rows).
+        s = torch.where(absmax > 0, absmax / torch.full_like(absmax, INT8_MAX), torch.ones_like(absmax))
         scaled = block / s[:, None]
         qweight[r0 : r0 + step] = scaled.round_().clamp_(-INT8_MAX, INT8_MAX)
         scale[r0 : r0 + step] = s
