@@ -140,12 +140,13 @@ def test_without_the_hosts_max_query_len_the_grid_covers_the_whole_pack(backend)
 def test_a_max_query_len_below_a_sequence_is_refused_where_it_can_be_checked(backend):
     """On CPU tensors (the CPU implementation, the simulator) the values are cheap to read: a bound below a
     sequence's queries, which would leave its last rows unwritten on a GPU, is a ValueError naming it."""
+    if backend.kind == "cuda":
+        pytest.skip("GPU tensors: the op trusts the host's bound (reading the lengths back would cost a sync)")
     sequences = [(3, 10), (7, 7)]
     with pytest.raises(ValueError, match="sequence 1 has 7 new queries, more than max_query_len = 5"):
         attention_failures(backend, torch.float32, HEADS[backend.kind][:1], sequences, max_query_len=5)
-    if backend.kind != "cuda":
-        with pytest.raises(ValueError, match="max_query_len must be >= 0"):
-            attention_failures(backend, torch.float32, HEADS[backend.kind][:1], sequences, max_query_len=-1)
+    with pytest.raises(ValueError, match="max_query_len must be >= 0"):
+        attention_failures(backend, torch.float32, HEADS[backend.kind][:1], sequences, max_query_len=-1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
