@@ -32,7 +32,13 @@ class _Parser(argparse.ArgumentParser):
 
 class _HelpWithDefaults(argparse.HelpFormatter):
     """Every flag's help says its default: its own words where they do, else argparse's value (off for a
-    switch, none where there is none)."""
+    switch, none where there is none). One line a flag at 120 columns: the metavar names the unit (TOKENS,
+    SECONDS, MIB, ...); docs/operations.md#flags says the rest."""
+
+    WIDTH, HELP_COLUMN = 120, 40
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=self.HELP_COLUMN, width=self.WIDTH)
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -97,25 +103,18 @@ def build_parser(
     variants = p.add_argument_group("variants: fine-tuned LoRA checkpoints served beside the base")
     scale = p.add_argument_group("scale: tensor parallel over the cards of one machine")
     serving.add_argument(
-        "--w", "--weights", dest="weights", help="release directory (default: the embedded default model)"
+        "--w", "--weights", dest="weights", metavar="DIR", help="release directory (default: the embedded demo model)"
     )
     serving.add_argument(
-        "--d",
-        "--device",
-        dest="device",
-        help="GPU index (0, 1, ...), 'cuda[:N]' or 'cpu' (default: GPU 0 if there is one, else cpu)",
+        "--d", "--device", dest="device", metavar="DEVICE", help="GPU index, cuda:N or cpu (default: GPU 0, else cpu)"
     )
     serving.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        help="serving dtype (default: f16 on a GPU, f32 on sm_61 (f16 at 1/64 there) and on the CPU; bf16 needs sm_80)",
+        help="activations; bf16 from sm_80 (default: f16 on a GPU, f32 on sm_61 and the CPU)",
     )
     memory.add_argument(
-        "--quantize",
-        choices=QUANTIZE_MODES,
-        default="none",
-        help="int8: the trunk's linear layers and embeddings as int8 with per-row scales (W8A16, quantized "
-        "while loading; about half the f16 weights: clef-flash on 12-16 GB cards)",
+        "--quantize", choices=QUANTIZE_MODES, default="none", help="int8: W8A16 weights, half the f16 bytes"
     )
     scale.add_argument(
         "--tensor-parallel-size",
@@ -123,181 +122,192 @@ def build_parser(
         dest="tensor_parallel_size",
         type=int,
         default=1,
-        help="shard the trunk over this many cards of this machine (1, 2, 4: --d and the next ones; the heads "
-        "must divide), each run by a worker process clef-serve starts; on the CPU the workers share it",
+        metavar="N",
+        help="shard the trunk over N cards of this machine: 1, 2 or 4",
     )
     scale.add_argument(
         "--tensor-parallel-timeout",
         type=_duration,
         default=60.0,
-        help="a step's collective that takes longer (a hung rank) fails the group: /ready 503, then exit 5",
+        metavar="DURATION",
+        help="a collective slower than this fails the group: exit 5 (default: 60s)",
     )
     memory.add_argument(
         "--vocab-tables",
         choices=VOCAB_TABLES,
         default="auto",
-        help="where the embedding and LM-head tables (2 x 248,320 rows for clef-flash) live: device, host (pinned "
-        "memory, the rows a step needs copied over), or auto (on a GPU: host when the plan fits only so or the cache "
-        "then holds more KV tokens)",
+        help="embedding, LM-head tables on the device or in pinned host memory",
     )
     memory.add_argument(
-        "--plan",
-        action="store_true",
-        help="print the memory plan (weights by part, scratch, activations, the cache --kv-fraction buys) from "
-        "config.json and the safetensors headers alone, then exit 0 if it fits, 3 if it does not",
+        "--plan", action="store_true", help="print the memory plan and exit: 0 if it fits, 3 if it does not"
     )
     memory.add_argument(
-        "--gpu-memory",
-        help="the GPU memory to plan for, e.g. 16GiB or 12GB (with --plan: a card you do not have here; default: "
-        "the free memory of --d)",
+        "--gpu-memory", metavar="SIZE", help="memory to plan for, e.g. 16GiB (default: free memory of --d)"
     )
-    serving.add_argument("--p", "--port", dest="port", type=_positive_int, default=8080, help="TCP port to listen on")
-    serving.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    memory.add_argument("--max-num-seqs", type=_positive_int, default=4, help="sequences prefilled together")
+    serving.add_argument(
+        "--p", "--port", dest="port", type=_positive_int, default=8080, metavar="PORT", help="TCP port"
+    )
+    serving.add_argument("--host", default="0.0.0.0", metavar="ADDRESS", help="address to listen on")
+    memory.add_argument(
+        "--max-num-seqs", type=_positive_int, default=4, metavar="N", help="records prefilled together in a step"
+    )
     memory.add_argument(
         "--kv-fraction",
         type=_fraction,
         default=0.30,
-        help="fraction of the free device memory (after weights) for KV blocks and state slots",
+        metavar="FRACTION",
+        help="of free device memory after weights, for KV blocks and states",
     )
     memory.add_argument(
-        "--prefill-chunk-size", type=_positive_int, default=1024, help="new tokens per sequence per step"
+        "--prefill-chunk-size", type=_positive_int, default=1024, metavar="TOKENS", help="new tokens a record a step"
     )
-    memory.add_argument("--max-model-len", type=_positive_int, default=16384, help="token budget of one record")
-    memory.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
-    memory.add_argument("--disable-prefix-cache", action="store_true", help="turn prefix caching off")
+    memory.add_argument(
+        "--max-model-len", type=_positive_int, default=16384, metavar="TOKENS", help="token budget of one record"
+    )
+    memory.add_argument("--block-size", type=_positive_int, default=16, metavar="TOKENS", help="tokens per KV block")
+    memory.add_argument("--disable-prefix-cache", action="store_true", help="turn the prefix cache off")
     serving.add_argument(
         "--api-key",
         default=os.environ.get("CLEF_API_KEY"),
-        help="require 'Authorization: Bearer <key>' (default: $CLEF_API_KEY; none: no auth)",
+        metavar="KEY",
+        help="require Authorization: Bearer KEY (default: $CLEF_API_KEY; none: no auth)",
     )
     serving.add_argument(
         "--served-model-name",
         default=None,
-        help="the model name clients send (default: the release's, clef for clef 27B and clef-flash otherwise; "
-        "clef-tiny for the embedded demo model)",
+        metavar="NAME",
+        help="the model name clients send (default: the release's: clef-flash, clef)",
     )
     clients.add_argument(
         "--confidence",
         choices=["clef", "typesafe"],
         default="clef",
-        help="a choice's and a score's confidence: the top probability (clef, the reference's) or TypeSafe's",
+        help="clef: top probability (the reference's); typesafe: TypeSafe's",
     )
     clients.add_argument(
         "--state-overflow",
         choices=["reject", "truncate"],
         default="reject",
-        help="over --max-model-len: reject with 413, or keep the head of the state (the reference)",
+        help="over --max-model-len: 413, or keep the state's head",
     )
-    clients.add_argument("--max-queue", type=_positive_int, default=256, help="waiting requests before 503")
-    clients.add_argument("--max-body-bytes", type=_positive_int, default=32 * 2**20, help="request body limit (413)")
-    clients.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request gives up (503)")
-    clients.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a request body (408)")
+    clients.add_argument(
+        "--max-queue", type=_positive_int, default=256, metavar="N", help="waiting requests before 503"
+    )
+    clients.add_argument(
+        "--max-body-bytes", type=_positive_int, default=32 * 2**20, metavar="BYTES", help="request body limit (413)"
+    )
+    clients.add_argument(
+        "--request-timeout", type=float, default=600.0, metavar="SECONDS", help="before a request gives up (503)"
+    )
+    clients.add_argument(
+        "--body-timeout", type=float, default=30.0, metavar="SECONDS", help="to receive a request body (408)"
+    )
     serving.add_argument(
         "--drain-timeout",
         type=float,
         default=90.0,
-        help="on SIGTERM: seconds to let in-flight requests finish (new ones get 503) before exiting",
+        metavar="SECONDS",
+        help="on SIGTERM, for in-flight requests to finish (new ones: 503)",
     )
-    serving.add_argument("--cors-origins", default="", help="comma-separated origins allowed by CORS (default: none)")
+    serving.add_argument(
+        "--cors-origins", default="", metavar="ORIGINS", help="comma-separated CORS origins (default: none)"
+    )
     serving.add_argument(
         "--no-vllm-metric-aliases",
         dest="vllm_metric_aliases",
         action="store_false",
-        help="do not also export the protocol gauges under vLLM's names (vllm:num_requests_waiting, ...)",
+        help="no copies of the gauges under vLLM's names in /metrics",
     )
     serving.add_argument(
-        "--log-level", choices=["debug", "info", "warning", "error"], default="info", help="the least severe logged"
+        "--log-level", choices=["debug", "info", "warning", "error"], default="info", help="least severe level logged"
     )
     serving.add_argument(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default="text",
-        help="text, or json: one object per line (decision lines carry request id, status, tokens, timings)",
+        "--log-format", choices=LOG_FORMATS, default="text", help="json: one object a line, decisions with timings"
     )
     verification.add_argument(
         "--selfcheck",
         choices=SELFCHECK_MODES,
         default="enforce",
-        help="the on-device kernel self-check before /ready: enforce (a failure keeps the server unready and "
-        "refuses decisions), warn (serve anyway, loudly), off",
+        help="kernel self-check before /ready; warn: serve anyway, loudly",
     )
     verification.add_argument(
         "--autotune",
         choices=AUTOTUNE_MODES,
         default="fast",
-        help="time every self-checked implementation of each op at this model's shapes on this device at start-up "
-        "and run the fastest per call shape (fast: 6 buckets; full: more; off: the dispatch rule's kernels)",
+        help="time each op's checked kernels at start-up, run the fastest",
     )
     verification.add_argument(
         "--autotune-cache",
         default=str(Path.home() / ".cache" / "clef-cuda" / "autotune"),
-        help="directory caching the autotune's choices by device, driver, torch and package version ('' = none)",
+        metavar="DIR",
+        help="the autotune's cache, '' for none (default: ~/.cache/clef-cuda/autotune)",
     )
     verification.add_argument(
         "--kernel-trials",
         choices=KERNEL_TRIALS,
         default="auto",
-        help="where every kernel first runs on a device without an autotune cache entry: child (a trial process, "
-        "so a kernel that faults cannot take the server down), inline, or auto (child on a GPU)",
+        help="where new kernels first run (auto: a child process on a GPU)",
     )
     verification.add_argument(
         "--selfcheck-interval",
         type=_duration,
         default=None,
-        help="repeat the self-check this often while serving, when idle (e.g. 1h; default off), --selfcheck's mode",
+        metavar="DURATION",
+        help="repeat the self-check when idle, e.g. 1h (default: off)",
     )
     verification.add_argument(
         "--shadow-rate",
         type=_rate,
         default=0.01,
-        help="fraction of answered records re-decided on the reference ops while idle, their answers compared "
-        "(1: every record; 0: none)",
+        metavar="FRACTION",
+        help="of answered records re-decided on the reference ops, when idle",
     )
     verification.add_argument(
         "--shadow-mode",
         choices=SELFCHECK_MODES,
         default="enforce",
-        help="enforce: after --shadow-max-mismatches mismatches /ready and decisions turn 503 (/health stays 200); "
-        "warn: keep serving, log loudly; off",
+        help="enforce: mismatches turn /ready and decisions 503",
     )
     verification.add_argument(
-        "--shadow-max-mismatches", type=_positive_int, default=1, help="mismatches before enforce mode stops answering"
+        "--shadow-max-mismatches",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="mismatches before enforce stops answering",
     )
     verification.add_argument(
         "--shadow-min-interval",
         type=_duration,
         default=300.0,
-        help="under a load that leaves no idle time: once no sample finished for this long (default 5m), steps "
-        "give the shadow run a chunk, at most 2%% of their time ('off': never)",
+        metavar="DURATION",
+        help="under full load, a shadow chunk after this long; off: never (default: 5m)",
     )
     verification.add_argument(
-        "--selfcheck-only",
-        action="store_true",
-        help="load the model, run the on-device self-check, print its table and exit 0 (passed) or 1 (failed)",
+        "--selfcheck-only", action="store_true", help="run the self-check, print it, exit 0 (passed) or 1"
     )
     clients.add_argument(
         "--max-json-depth",
         type=_positive_int,
         default=256,
-        help="request bodies nested deeper are refused (422) before they are parsed",
+        metavar="LEVELS",
+        help="deeper request bodies are refused (422) unparsed",
     )
     clients.add_argument(
-        "--max-images", type=_positive_int, default=4, help="images per request (4 MiB each, 8 MiB in all)"
+        "--max-images", type=_positive_int, default=4, metavar="N", help="images a request (4 MiB each, 8 MiB in all)"
     )
     clients.add_argument(
         "--image-max-pixels",
         type=_positive_int,
         default=None,
-        help="resize budget per image (default: the release's processor; 1048576 sizes images as Cloudflare's "
-        "hosted service does, at most 1024 tokens each)",
+        metavar="PIXELS",
+        help="resize budget an image; 1048576: Cloudflare's (default: the release's)",
     )
     memory.add_argument(
         "--vision-cache-mib",
         type=_positive_int,
         default=256,
-        help="device memory (rank 0's host memory under --tp) for vision-tower outputs kept by image digest (a "
-        "repeated image skips the tower)",
+        metavar="MIB",
+        help="vision-tower outputs kept by image digest",
     )
     variants.add_argument(
         "--adapter",
@@ -307,26 +317,26 @@ def build_parser(
         nargs="+",
         default=[],
         metavar="NAME=DIR",
-        help="a fine-tuned variant: a clef-finetune checkpoint-N directory served as model NAME (repeatable; "
-        'vLLM\'s --lora-modules NAME=DIR and {"name": ..., "path": ...} forms are accepted)',
+        help="a clef-finetune checkpoint served as model NAME (repeatable)",
     )
-    variants.add_argument("--max-adapters", type=_positive_int, default=8, help="variants held at once")
-    variants.add_argument("--max-adapter-rank", type=_positive_int, default=64, help="largest LoRA rank accepted")
+    variants.add_argument("--max-adapters", type=_positive_int, default=8, metavar="N", help="variants held at once")
+    variants.add_argument(
+        "--max-adapter-rank", type=_positive_int, default=64, metavar="RANK", help="largest LoRA rank accepted"
+    )
     variants.add_argument(
         "--adapter-head-dtype", choices=sorted(DTYPES), default="f32", help="dtype of the variants' heads"
     )
     variants.add_argument(
         "--enable-adapter-loading",
         action="store_true",
-        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --api-key and --adapter-root)",
+        help="POST /v1/(un)load_lora_adapter; needs --api-key, --adapter-root",
     )
-    variants.add_argument("--adapter-root", help="the only directory runtime-loaded adapters are read from")
+    variants.add_argument("--adapter-root", metavar="DIR", help="the one directory adapters load from at run time")
     clients.add_argument(
         "--client-special-tokens",
         choices=CLIENT_SPECIAL_TOKENS,
         default="control",
-        help="special tokens (<|im_end|>, ...) typed into client text: control tokens as the reference does "
-        "(control), or plain text (text: a state cannot forge the prompt's structure)",
+        help="special tokens typed by clients: control (reference) or text",
     )
     return p
 
@@ -741,12 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def batch_main(argv: list[str]) -> int:
-    """clef-serve batch INPUT.jsonl OUTPUT.jsonl [the serving flags]: app/batch.py."""
-    import asyncio
-
-    from app import batch
-
+def build_batch_parser() -> argparse.ArgumentParser:
+    """clef-serve batch: the serving flags and its own group."""
     parser = build_parser(
         "clef-serve batch",
         "Score a file of System One requests (JSON lines) into OUTPUT, in input order, with the serving flags' "
@@ -763,17 +769,29 @@ def batch_main(argv: list[str]) -> int:
     batch_flags.add_argument(
         "--max-in-flight",
         type=_positive_int,
-        help="rows submitted at once (default: 4 x --max-num-seqs: the engine always has the next step's rows)",
+        metavar="ROWS",
+        help="submitted at once (default: 4 x --max-num-seqs)",
     )
     batch_flags.add_argument(
         "--read-ahead",
         type=_positive_int,
         default=1024,
-        help="rows read ahead of the last one written (bounds memory; rows with one state are grouped within it)",
+        metavar="ROWS",
+        help="read ahead of the last written; a state's rows group in it",
     )
     batch_flags.add_argument(
         "--no-progress", action="store_true", help="no progress bar (the summary is still printed)"
     )
+    return parser
+
+
+def batch_main(argv: list[str]) -> int:
+    """clef-serve batch INPUT.jsonl OUTPUT.jsonl [the serving flags]: app/batch.py."""
+    import asyncio
+
+    from app import batch
+
+    parser = build_batch_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     log = logging.getLogger("clef_serve")

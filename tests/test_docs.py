@@ -131,3 +131,38 @@ def test_every_flag_is_in_a_group_and_says_its_default():
         "--stray: in no group of " + str(HELP_GROUPS),
         "--stray: its help does not say its default",
     ]
+
+
+# Units a numeric flag's metavar may name (the help's one line has no room to spell one out).
+UNITS = {"N", "TOKENS", "SECONDS", "DURATION", "BYTES", "MIB", "FRACTION", "PIXELS", "LEVELS", "RANK", "PORT", "ROWS"}
+
+
+def one_line_problems(parser) -> list[str]:
+    """A flag whose help wraps at the formatter's width, or a numeric one whose metavar names no unit."""
+    text = parser.format_help()
+    formatter = parser._get_formatter()
+    problems = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        if formatter._expand_help(action) not in text:  # wrapped: a newline and an indent inside it
+            problems.append(f"{flag}: its help takes more than one line")
+        if action.type is not None and action.metavar not in UNITS:
+            problems.append(f"{flag}: its metavar {action.metavar!r} names no unit")
+    return problems
+
+
+def test_every_flag_is_one_line_that_names_its_unit():
+    """clef-serve --help (and clef-serve batch's): one line a flag at 120 columns, default included, a number's
+    unit in its metavar; the details are docs/operations.md's flag table."""
+    from app.cli import build_batch_parser, build_parser
+
+    for parser in (build_parser(), build_batch_parser()):
+        assert not one_line_problems(parser), one_line_problems(parser)
+    broken = build_parser()
+    broken.add_argument("--stray-limit", type=int, default=3, help="a limit of something, said at such length " * 3)
+    assert one_line_problems(broken) == [
+        "--stray-limit: its help takes more than one line",
+        "--stray-limit: its metavar None names no unit",
+    ]
