@@ -110,7 +110,8 @@ gate "build for sm_${arch/./} only" 240 env CLEF_CUDA_BUILD=cuda TORCH_CUDA_ARCH
 
 # Every test's GPU case (the conftest marks a cuda-backend case `cuda`, as GPU-only tests are by hand).
 GATE_TESTS="tests/test_paged_attention.py tests/test_paged_attention_v2.py tests/test_glue.py tests/test_quantize.py \
-tests/test_conv1d.py tests/test_gated_delta_rule.py tests/test_key_band.py tests/test_kernel_trials.py tests/test_vocab_tables.py"
+tests/test_conv1d.py tests/test_gated_delta_rule.py tests/test_key_band.py tests/test_kernel_trials.py tests/test_vocab_tables.py \
+tests/test_decider.py"
 # shellcheck disable=SC2086
 gate "op tests on the GPU, CUDA_LAUNCH_BLOCKING=1" 150 env CUDA_LAUNCH_BLOCKING=1 \
   "$PY" -m pytest $GATE_TESTS -q -p no:cacheprovider -m cuda

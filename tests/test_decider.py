@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from conftest import cuda_available
 from faults import KeyBandZeroedOps
 from parity import PARITY_BOUND, assert_response_matches, reference_response
 from random_requests import features, random_request
@@ -234,3 +235,31 @@ def test_over_budget_is_rejected_with_counts_or_truncated_on_request(tiny):
     assert body["x_truncated_state_tokens"] == info.value.input_tokens - 2000
     del body["x_truncated_state_tokens"]
     assert_same_response(body, reference, request, max_length=2000)
+
+
+# ---- the head's sums: the same bits on every run ------------------------------------------------------------
+@pytest.mark.parametrize("values_shape", [(), (5,)], ids=["vector", "rows"])
+def test_the_heads_sums_as_a_product_are_index_adds_sums(values_shape):
+    """The GPU's way of summing the head's spans and options (a 0/1 matrix product: index_add_ adds with atomics
+    there, so the last bits changed from run to run), run on the CPU: index_add_'s sums to fp32 rounding,
+    repeated and absent indices included; the CPU itself keeps index_add_'s bits."""
+    from clef_cuda.model.head import add_by_index
+
+    generator = torch.Generator().manual_seed(3)
+    index = torch.tensor([4, 0, 4, 4, 2, 0, 6])
+    values = torch.randn(7, *values_shape, generator=generator)
+    out = torch.randn(8, *values_shape, generator=generator)
+    expected = out.clone().index_add_(0, index, values)
+    torch.testing.assert_close(add_by_index(out.clone(), index, values, by_product=True), expected)
+    assert torch.equal(add_by_index(out.clone(), index, values), expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="needs a GPU and the CUDA build")
+def test_a_record_gets_the_same_bits_on_every_run_on_the_gpu():
+    """On an H200 two runs of one Decider differed by 1.8e-7 (2026-12-04) while the head summed with index_add_."""
+    decider = Decider.from_release(mid_release(), device="cuda", progress=False)
+    records = [decider.encode(random_request(random.Random(seed), state_words=(20, 300))) for seed in range(4)]
+    first = [decider.probabilities(record) for record in records]
+    for _ in range(3):
+        assert [decider.probabilities(record) for record in records] == first

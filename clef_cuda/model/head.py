@@ -77,12 +77,28 @@ def _linear(x: Tensor, w: dict[str, Tensor], name: str, bias: bool = True) -> Te
     return F.linear(x, w[f"{name}.weight"], w[f"{name}.bias"] if bias else None)
 
 
+def add_by_index(out: Tensor, index: Tensor, values: Tensor, by_product: bool | None = None) -> Tensor:
+    """out[index[i]] += values[i] (rows, or a vector's elements), in place; returns out.
+
+    index_add_ adds in index order on the CPU, but on a GPU with atomics, in the order the threads arrive, so a
+    record's probabilities moved in their last bits from one run to the next (1.8e-7 on an H200, 2026-12-04).
+    There (by_product None on a GPU, or True) the values are summed by a 0/1 matrix product instead, an order
+    the shapes fix; the CPU keeps index_add_ (the bits it always gave)."""
+    if by_product is None:
+        by_product = out.device.type == "cuda"
+    if not by_product:
+        return out.index_add_(0, index, values)
+    onehot = torch.zeros(out.shape[0], index.shape[0], dtype=values.dtype, device=values.device)
+    onehot[index, torch.arange(index.shape[0], device=index.device)] = 1
+    return out.add_(onehot @ values)
+
+
 def _segment_softmax(scores: Tensor, segment: Tensor, num_segments: int) -> Tensor:
     """Softmax of scores within each segment (scores [N], segment [N] in [0, num_segments))."""
     peak = torch.full((num_segments,), -math.inf, dtype=scores.dtype, device=scores.device)
     peak = peak.scatter_reduce(0, segment, scores, reduce="amax")
     weights = (scores - peak[segment]).exp()
-    total = torch.zeros(num_segments, dtype=scores.dtype, device=scores.device).index_add_(0, segment, weights)
+    total = add_by_index(torch.zeros(num_segments, dtype=scores.dtype, device=scores.device), segment, weights)
     return weights / total[segment]
 
 
@@ -108,7 +124,7 @@ class JointSchemaHead:
         n = hidden.shape[0]
         normed = _layer_norm(hidden.to(self.dtype), self.w, "hidden_norm")
         inputs.memory[inputs.filled : inputs.filled + n] = _linear(normed, self.w, "memory_projection", bias=False)
-        inputs.span_sums.index_add_(0, layout.span_of_token[inputs.filled : inputs.filled + n], normed)
+        add_by_index(inputs.span_sums, layout.span_of_token[inputs.filled : inputs.filled + n], normed)
         inputs.last = normed[-1]
         inputs.filled += n
 
@@ -121,7 +137,7 @@ class JointSchemaHead:
         question_vecs, option_context = means[:q_count], means[q_count:]  # [Q, H], [O, H]
         global_vec = inputs.last  # [H]
         lexical = torch.zeros(o_count, self.config.hidden_size, dtype=self.dtype, device=memory.device)
-        lexical.index_add_(0, layout.option_token_owner, self.lm_head[layout.option_token_ids].to(self.dtype))
+        add_by_index(lexical, layout.option_token_owner, self.lm_head[layout.option_token_ids].to(self.dtype))
         lexical = lexical / layout.span_lengths[q_count:, None]
         question_of = layout.option_question
 
@@ -144,7 +160,7 @@ class JointSchemaHead:
         weights = _segment_softmax(
             (routed * base[question_of]).sum(-1) / math.sqrt(self.config.width), question_of, q_count
         )
-        summary = torch.zeros_like(base).index_add_(0, question_of, weights[:, None] * routed)
+        summary = add_by_index(torch.zeros_like(base), question_of, weights[:, None] * routed)
         fields = (
             base
             + _layer_norm(summary, w, "option_summary_norm")
