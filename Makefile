@@ -17,9 +17,11 @@ setup:
 serve: setup
 	$(VENV)/bin/clef-serve $(ARGS)
 
-# Sets everything up (first run: a few minutes), then runs the test suite.
+# Sets everything up (first run: a few minutes), then runs the test suite: two pytest-xdist workers, each with
+# its share of the cores (tests/conftest.py), tests handed out one at a time and stolen when a worker runs dry.
+TEST_WORKERS ?= 2
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q $(FAST_TESTS)

@@ -37,6 +37,11 @@ class Backend:
         return self.name
 
 
+# Under pytest-xdist (`make test` runs two workers) each worker gets its share of the cores, so the workers'
+# torch thread pools do not fight over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 # scripts/gpu_check.sh --dry-run collects the GPU cases on a machine without a GPU (pytest --collect-only,
 # nothing runs) to check that the gate's selection names them: this makes the cuda backend appear.
 ASSUME_CUDA = os.environ.get("CLEF_ASSUME_CUDA") == "1"
