@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
+import json
+import os
 import re
 import site
 import subprocess
@@ -168,7 +171,9 @@ FAMILIES = {
 def find_nvidia_dirs(packages: str | None) -> list[Path]:
     roots = [Path(packages)] if packages else []
     roots += [Path(p) for p in site.getsitepackages() + [site.getusersitepackages()]]
-    return [r / "nvidia" for r in roots if (r / "nvidia" / "cuda_nvrtc" / "lib" / "libnvrtc.so.12").exists()]
+    # Absolute: the include options are part of the compile cache's key, and CI passes a relative --packages
+    # where tests/test_check_archs.py passes an absolute one.
+    return [r.resolve() / "nvidia" for r in roots if (r / "nvidia" / "cuda_nvrtc" / "lib" / "libnvrtc.so.12").exists()]
 
 
 class Nvrtc:
@@ -202,6 +207,43 @@ class Nvrtc:
     def _check(self, code: int) -> None:
         if code != 0:
             raise RuntimeError(f"NVRTC call failed: {self.lib.nvrtcGetErrorString(code).decode()}")
+
+
+# NVRTC's output for inputs it has compiled before: CI runs this script, then the suite's test_check_archs.py
+# asks for the same ten archs again (about five minutes of compiling on 2 cores). The key is every input of a
+# compile: the source, the options, NVRTC's library file and version, and every file under csrc/ (the kernels'
+# headers); a change to any one of them compiles again. What is done with the output (the limits, the tiles) is
+# not cached. CLEF_CHECK_ARCHS_CACHE=off turns it off.
+COMPILE_CACHE = ROOT / ".cache" / "check_archs"
+
+
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.is_file():
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def compile_cached(nvrtc: Nvrtc, source: str, name: str, options: list[str]) -> tuple[bool, str, int, str]:
+    if os.environ.get("CLEF_CHECK_ARCHS_CACHE", "on") == "off":
+        return nvrtc.compile(source, name, options)
+    lib = Path(nvrtc.lib._name).resolve()
+    key = hashlib.sha256(
+        json.dumps([source, name, options, nvrtc.version, str(lib), lib.stat().st_size, _sources_digest()]).encode()
+    ).hexdigest()
+    entry = COMPILE_CACHE / f"{key}.json"
+    try:
+        ok, log, cubin, ptx = json.loads(entry.read_text())
+        return ok, log, cubin, ptx
+    except (OSError, ValueError):
+        pass
+    result = nvrtc.compile(source, name, options)
+    COMPILE_CACHE.mkdir(parents=True, exist_ok=True)
+    partial = entry.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: two runs may race here
+    partial.write_text(json.dumps(result))
+    os.replace(partial, entry)
+    return result
 
 
 def launcher_sizes(launcher: Path) -> set[int]:
@@ -380,7 +422,7 @@ def check(packages: str | None = None, arch: str = "sm_70") -> Report:
             extra = sorted(dispatched - set(sizes))
             report.failures.append(f"{family}: {launcher} dispatches sizes {extra} that this check does not compile")
         source = f'#include "{header}"\n' + "\n".join(instantiations) + "\n"
-        ok, log, cubin, ptx = nvrtc.compile(source, f"{family}_{arch}.cu", options)
+        ok, log, cubin, ptx = compile_cached(nvrtc, source, f"{family}_{arch}.cu", options)
         log_lines = [line for line in log.splitlines() if "are deprecated" not in line and line.strip()]
         if not ok:
             report.failures.append(f"{family} does not compile:\n" + "\n".join("     " + line for line in log_lines))

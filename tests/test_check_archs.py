@@ -130,3 +130,39 @@ def test_the_limit_checks_fail_kernels_over_the_limits():
     assert not usage("five named barriers", 64, 0, 0, 128, 5).violations()
     module = check_archs_module()
     assert [t.keys for t in module.attention_tiles(40 * 1024) if t.kernel == "simt"] == [32, 32, 32, 0, 8]
+
+
+def test_the_compile_cache_compiles_again_when_any_input_changes(tmp_path, monkeypatch):
+    """CI's check_archs step and this file compile the same kernels; the second asks the cache, keyed by every
+    input of a compile: the source, the options, NVRTC and every file under csrc/."""
+    from types import SimpleNamespace
+
+    module = check_archs_module()
+    monkeypatch.setattr(module, "COMPILE_CACHE", tmp_path)
+    compiled = []
+
+    def compile(source, name, options):
+        compiled.append(source)
+        return True, f"log of {source}", 7, f"ptx of {source}"
+
+    nvrtc = SimpleNamespace(lib=SimpleNamespace(_name=__file__), version="12.9", compile=compile)
+    first = module.compile_cached(nvrtc, "kernel a", "a.cu", ["--gpu-architecture=sm_70"])
+    assert (
+        module.compile_cached(nvrtc, "kernel a", "a.cu", ["--gpu-architecture=sm_70"])
+        == first
+        == (
+            True,
+            "log of kernel a",
+            7,
+            "ptx of kernel a",
+        )
+    )
+    assert len(compiled) == 1
+    module.compile_cached(nvrtc, "kernel a", "a.cu", ["--gpu-architecture=sm_75"])  # another arch
+    module.compile_cached(nvrtc, "kernel b", "a.cu", ["--gpu-architecture=sm_70"])  # another source
+    monkeypatch.setattr(module, "_sources_digest", lambda: "a header under csrc/ changed")
+    module.compile_cached(nvrtc, "kernel a", "a.cu", ["--gpu-architecture=sm_70"])
+    assert len(compiled) == 4
+    monkeypatch.setenv("CLEF_CHECK_ARCHS_CACHE", "off")
+    module.compile_cached(nvrtc, "kernel a", "a.cu", ["--gpu-architecture=sm_70"])
+    assert len(compiled) == 5
