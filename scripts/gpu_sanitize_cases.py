@@ -39,20 +39,6 @@ def selfcheck_cost():
     return module
 
 
-def op_checks_only(trunk) -> tuple[bool, str]:
-    """The self-check's op groups without its real layers (--ops-only): (passed, summary)."""
-    from clef_cuda.serving.selfcheck import _exact_fp32, _SelfCheck
-
-    check, results = _SelfCheck.of(trunk, 16, 0), []
-    with torch.inference_mode(), _exact_fp32():  # the references fp32-exact, as run_selfcheck has them
-        for name, group in check.groups():
-            if not name.startswith("layer"):
-                results += check.guarded(name, group)
-    torch.cuda.synchronize()
-    failed = [c.name for c in results if not c.passed]
-    return not failed, f"{len(results)} op checks, failed: {', '.join(failed) or 'none'}"
-
-
 def main() -> int:
     from clef_cuda import ops, reference
     from clef_cuda.serving.autotune import TuneTarget, _AttentionCase
@@ -73,14 +59,10 @@ def main() -> int:
         dtypes = [d for d in dtypes if d != torch.bfloat16]
     for dtype, quantize in [(d, "none") for d in dtypes] + [(torch.float16, "int8")]:
         trunk = costs.random_trunk(config, device, dtype, quantize)
-        if args.ops_only:
-            passed, summary = op_checks_only(trunk)
-        else:
-            report = run_selfcheck(trunk, block_size=16)
-            passed, summary = report.passed, report.summary()
-        print(f"self-check {dtype} {quantize}: {summary}")
-        if not passed:
-            failures.append(f"self-check {dtype} {quantize}: {summary}")
+        report = run_selfcheck(trunk, block_size=16, layers=not args.ops_only)
+        print(f"self-check {dtype} {quantize}: {report.summary()}")
+        if not report.passed:
+            failures.append(f"self-check {dtype} {quantize}: {report.summary()}")
 
         target = TuneTarget(ops, config, device, dtype)
         generator = torch.Generator().manual_seed(1)
