@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -217,6 +218,7 @@ class Nvrtc:
 COMPILE_CACHE = ROOT / ".cache" / "check_archs"
 
 
+@functools.cache  # one read of csrc/ a run, not one a compile
 def _sources_digest() -> str:
     digest = hashlib.sha256()
     for path in sorted((ROOT / "csrc").rglob("*")):
