@@ -2,14 +2,15 @@
 # The GPU check: one command for a lent GPU machine, in two stages, each with its own budget and verdict, so
 # that a 10-minute window always ends with a verdict and as many tables as fit.
 #
-#   1. The gate (GATE_BUDGET, default 300 s; under 5 minutes on an H200): build for the local arch only; every
-#      op test's CUDA cases (-m cuda: conv, delta rule, paged attention v1, v2 with forced splits and the
-#      combine, SIMT, the glue ops in place too, int8 dequantize; the server's start-up behind its kernel
-#      trials) with CUDA_LAUNCH_BLOCKING=1, so a fault is raised by the op that caused it; compute-sanitizer's
-#      memcheck, racecheck, synccheck and initcheck on every kernel once (scripts/gpu_sanitize_cases.py); the
-#      self-check at clef-flash's shapes in f16, bf16 (sm_80+) and with int8 weights; the shadow tolerance in
-#      f16 and bf16, gating. Each step has a time limit: one that runs out fails the gate ("TIMEOUT").
-#   2. The tables (until TOTAL_BUDGET, default 540 s, from the start): the ops; attention v1 / v2 / SIMT / SDPA
+#   1. The gate (GATE_BUDGET, default 420 s; about 7 minutes on an H200, racecheck 4 of them): build for the
+#      local arch only; every op test's CUDA cases (-m cuda: conv, delta rule, paged attention v1, v2 with
+#      forced splits and the combine, SIMT, the glue ops in place too, int8 dequantize; the server's start-up
+#      behind its kernel trials) with CUDA_LAUNCH_BLOCKING=1, so a fault is raised by the op that caused it;
+#      compute-sanitizer's memcheck, racecheck, synccheck and initcheck on every kernel once
+#      (scripts/gpu_sanitize_cases.py); the self-check at clef-flash's shapes in f16, bf16 (sm_80+) and with
+#      int8 weights; the shadow tolerance in f16 and bf16, gating. Each step has a time limit: one that runs
+#      out fails the gate ("TIMEOUT").
+#   2. The tables (until TOTAL_BUDGET, default 560 s, from the start): the ops; attention v1 / v2 / SIMT / SDPA
 #      at 2k and 16k of context with one trunk step split by op; int8 dequantize + GEMM against f16 at 64, 256,
 #      1,024 and 4,096 rows; the start-up autotune at clef-flash's shapes; then the whole suite while time
 #      remains. A table that does not fit the time left is skipped, saying so.
@@ -40,8 +41,8 @@ fi
 
 OUT=${OUT:-.cache/gpu_check}
 mkdir -p "$OUT"
-GATE_BUDGET=${GATE_BUDGET:-300}
-TOTAL_BUDGET=${TOTAL_BUDGET:-540}
+GATE_BUDGET=${GATE_BUDGET:-420}
+TOTAL_BUDGET=${TOTAL_BUDGET:-560}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 t0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t0 )); }
@@ -134,7 +135,7 @@ export sanitizer PY OUT
 gate "compute-sanitizer memcheck, every kernel once" 90 bash -c 'sanitize "$@"' _ memcheck
 gate "compute-sanitizer synccheck, every kernel once" 90 bash -c 'sanitize "$@"' _ synccheck
 # The op checks alone (their inputs from torch's generators, not cuBLAS), f16 and int8: each kernel once.
-gate "compute-sanitizer racecheck, the op checks" 120 bash -c 'sanitize "$@"' _ racecheck --ops-only --dtypes f16
+gate "compute-sanitizer racecheck, the op checks" 240 bash -c 'sanitize "$@"' _ racecheck --ops-only --dtypes f16
 gate "compute-sanitizer initcheck, the op checks" 120 bash -c 'sanitize "$@"' _ initcheck --ops-only --dtypes f16
 rm -f "$OUT/sanitizer.log"
 

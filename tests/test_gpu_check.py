@@ -60,7 +60,7 @@ def test_the_gate_is_two_stages_that_never_swallow_a_failure():
     self-check at clef-flash's shapes in f16, bf16 and int8 and the shadow tolerance, gating; at most 8 files."""
     script = SCRIPT.read_text()
     stage1, stage2 = script.split("# ---- stage 2: the tables", 1)
-    assert "GATE_BUDGET=${GATE_BUDGET:-300}" in script and "TOTAL_BUDGET=${TOTAL_BUDGET:-540}" in script
+    assert "GATE_BUDGET=${GATE_BUDGET:-420}" in script and "TOTAL_BUDGET=${TOTAL_BUDGET:-560}" in script
     assert "|| true" not in stage1
     assert re.search(r'gate "op tests on the GPU, CUDA_LAUNCH_BLOCKING=1" \d+ env CUDA_LAUNCH_BLOCKING=1', stage1)
     assert "-m cuda" in stage1 and "-k " not in stage1

@@ -655,6 +655,12 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
           wmma::mma_sync(acc[j], p_frag, v_frag, acc[j]);
         }
       }
+    } else {
+      // A pair with no products on this tile passes its barrier all the same, so that every warp of the CTA
+      // passes the same sequence of barriers. (compute-sanitizer's racecheck on an H200 reported the K/V and
+      // key-offset stores below, which follow a __syncthreads, as racing with PV's reads when some pairs had
+      // passed one named barrier more than others: benchmarks/RESULTS.md, 2026-12-04, the second GPU run.)
+      group_bar_sync(pair, kWmma2PairThreads);
     }
     if (!more) break;  // uniform: nothing left to stage
     __syncthreads();   // every warp is done with this tile's K, V and offsets
