@@ -450,8 +450,9 @@ CPU_ISA_ENV = "CLEF_CPU_ISA"
 
 def apply_cpu_isa_env() -> None:
     """CLEF_CPU_ISA=avx2 (or avx512, baseline, auto) pins the CPU kernels' variant for this process, e.g.
-    to run the AVX2 code on an AVX-512 machine. ValueError, naming the variable, for a value this machine
-    cannot run."""
+    to run the AVX2 code on an AVX-512 machine, and caps torch's GEMMs (oneDNN, MKL) at the same level where
+    their own variables are not set (clef_cuda.cpu_features). ValueError, naming the variable, for a value
+    this machine cannot run."""
     value = os.environ.get(CPU_ISA_ENV, "").strip().lower()
     if not value:
         return
@@ -459,6 +460,9 @@ def apply_cpu_isa_env() -> None:
         set_cpu_isa(value)
     except (ValueError, RuntimeError) as error:
         raise ValueError(f"{CPU_ISA_ENV}={value}: {error}") from None
+    from clef_cuda.cpu_features import cap_library_gemms
+
+    cap_library_gemms(value)
 
 
 apply_cpu_isa_env()

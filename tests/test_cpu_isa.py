@@ -7,6 +7,7 @@ blocks too, and one on an AVX2 machine covers AVX2 and baseline."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -95,6 +96,94 @@ def test_clef_serve_refuses_a_bad_variable_in_one_line_with_exit_2():
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("clef-serve: error: CLEF_CPU_ISA=sse4:") and "avx2" in line
+
+
+# ---- the GEMMs' features (clef_cuda.cpu_features): what torch's oneDNN may use beside our kernels -------------
+AVX512_BF16_VNNI = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"})
+
+
+def test_the_gemm_features_follow_the_flags_and_the_pinned_level(monkeypatch):
+    from clef_cuda.cpu_features import cpu_gemm_features
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    found = cpu_gemm_features("avx512", AVX512_BF16_VNNI)
+    assert (found.bf16, found.int8) == ("avx512_bf16", "avx512_vnni")
+    assert cpu_gemm_features("avx512", frozenset({"avx2", "avx512f"})).describe() == (
+        "no bf16 dot products, no int8 dot products"
+    )
+    # Pinned to AVX2, an AVX-512 machine reports what an AVX2-only CPU has: AVX-VNNI at most.
+    assert (cpu_gemm_features("avx2", AVX512_BF16_VNNI).bf16, cpu_gemm_features("avx2", AVX512_BF16_VNNI).int8) == (
+        None,
+        None,
+    )
+    assert cpu_gemm_features("avx2", AVX512_BF16_VNNI | {"avx_vnni"}).int8 == "avx_vnni"
+    assert cpu_gemm_features("baseline", AVX512_BF16_VNNI | {"avx_vnni"}).int8 is None
+    assert cpu_gemm_features("avx512", frozenset({"amx_bf16", "amx_int8"})) == cpu_gemm_features(
+        "avx512", frozenset({"amx_bf16", "amx_int8"})
+    )
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")  # oneDNN's own cap, set by hand, counts too
+    assert cpu_gemm_features("avx512", AVX512_BF16_VNNI).bf16 is None
+
+
+def test_a_pinned_level_caps_the_libraries_unless_they_are_set():
+    from clef_cuda.cpu_features import cap_library_gemms
+
+    environ = {"MKL_ENABLE_INSTRUCTIONS": "AVX512"}
+    assert cap_library_gemms("avx2", environ) == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert environ == {"MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert cap_library_gemms("avx512", {}) == {} and cap_library_gemms("auto", {}) == {}
+
+
+def test_the_cpu_serves_f32_unless_told_and_says_what_bf16_does_there(monkeypatch):
+    """f32 stays the CPU's default; the log line says bf16 is faster where the GEMMs have bf16 dot products and
+    slower where they convert in software; bf16 is served where asked either way."""
+    import torch
+
+    from clef_cuda import cpu_features
+    from clef_cuda.decider import serving_dtype
+
+    cpu = torch.device("cpu")
+    with_bf16 = cpu_features.CpuGemmFeatures(bf16="avx512_bf16", int8="avx512_vnni")
+    without = cpu_features.CpuGemmFeatures(bf16=None, int8=None)
+    monkeypatch.setattr(cpu_features, "cpu_gemm_features", lambda isa: with_bf16)
+    dtype, why = serving_dtype(cpu)
+    assert dtype == torch.float32 and "--dtype bf16 runs them at about 2.5x" in why and "avx512_bf16" in why
+    assert serving_dtype(cpu, torch.bfloat16) == (torch.bfloat16, None)
+    assert serving_dtype(cpu, torch.float32) == (torch.float32, None)
+    monkeypatch.setattr(cpu_features, "cpu_gemm_features", lambda isa: without)
+    assert serving_dtype(cpu) == (torch.float32, None)
+    dtype, why = serving_dtype(cpu, torch.bfloat16)
+    assert dtype == torch.bfloat16 and "slower than f32" in why and "no bf16 dot products" in why
+
+
+# A bf16 GEMM in a fresh process, with oneDNN saying which code ran it (ONEDNN_VERBOSE).
+BF16_GEMM = """
+import json, torch
+from clef_cuda import ops
+from clef_cuda.cpu_features import cpu_gemm_features
+torch.nn.functional.linear(torch.randn(64, 64).bfloat16(), torch.randn(64, 64).bfloat16())
+print(json.dumps({"isa": ops.cpu_isa(), "bf16": cpu_gemm_features(ops.cpu_isa()).bf16}))
+"""
+
+
+def test_the_pin_reaches_the_gemms():
+    """CLEF_CPU_ISA=avx2 caps oneDNN too: no bf16 GEMM runs AVX-512 code, and the features say no bf16 dot
+    products. Unpinned on a CPU with them, oneDNN's AVX512-BF16 matmul runs (the control)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+    runs = {}
+    for pin in ("avx2", ""):
+        run_env = env | {"ONEDNN_VERBOSE": "1", "CLEF_CPU_ISA": pin}
+        result = subprocess.run(
+            [sys.executable, "-c", BF16_GEMM], capture_output=True, text=True, env=run_env, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.strip().splitlines()
+        runs[pin] = (json.loads(lines[-1]), [line for line in lines if ",exec," in line and "matmul" in line])
+    pinned, pinned_gemms = runs["avx2"]
+    assert pinned == {"isa": "avx2", "bf16": None} and not [g for g in pinned_gemms if "avx512" in g], pinned_gemms
+    free, free_gemms = runs[""]
+    if free["bf16"] is not None:
+        assert [g for g in free_gemms if "avx512_core_bf16" in g or "amx" in g], free_gemms
 
 
 @pytest.fixture(scope="module")
