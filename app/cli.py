@@ -111,7 +111,7 @@ def build_parser(
     serving.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        help="activations; bf16 from sm_80 (default: f16 on a GPU, f32 on sm_61 and the CPU)",
+        help="activations; bf16 on sm_80+ and AVX512-BF16 CPUs (default: f16 GPU, f32 CPU)",
     )
     memory.add_argument(
         "--quantize", choices=QUANTIZE_MODES, default="none", help="int8: W8A16 weights, half the f16 bytes"
@@ -505,19 +505,18 @@ def make_engine(args, on_lost=None):
 
 
 def resolve_dtype(args, log) -> None:
-    """--dtype for the device: the default a card should serve in (f32 on sm_61: serving_dtype says why, in
-    one log line), and a one-line error for bf16 where there is no bf16 arithmetic."""
+    """--dtype for the device: the default it should serve in (f32 on sm_61 and the CPU), a log line where
+    serving_dtype has one (the default on sm_61; on the CPU, what its GEMMs can do with bf16), and a one-line
+    error for bf16 on a GPU without bf16 arithmetic."""
     import torch
 
     from clef_cuda.decider import serving_dtype
 
     device = resolve_device(args.device)
-    if device.type != "cuda":
-        return
     dtype, why = serving_dtype(device, getattr(torch, DTYPES[args.dtype]) if args.dtype else None)
     args.dtype = next(name for name, value in DTYPES.items() if getattr(torch, value) == dtype)
     if why:
-        log.warning("%s", why)
+        (log.info if device.type == "cpu" and dtype == torch.float32 else log.warning)("%s", why)
 
 
 def make_plan(args, quantize: str | None = None, vocab_tables: str | None = None):

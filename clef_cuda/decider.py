@@ -51,11 +51,28 @@ class DecisionOptions:
 
 
 def serving_dtype(device: torch.device, requested: torch.dtype | None = None) -> tuple[torch.dtype, str | None]:
-    """The activation dtype on `device`, and why, when it is not what one would guess: `requested`, else f16
-    on a GPU and f32 on the CPU, but f32 on sm_61/62 (P40, GTX 10x0: f16 arithmetic at 1/64 of the f32 rate;
-    sm_60, the P100, runs f16 at twice its f32 rate and keeps it). ValueError for bf16 on a GPU before sm_80,
-    which has no bf16 arithmetic (V100, T4: serve f16)."""
+    """The activation dtype on `device`, and a line to log when it needs saying: `requested`, else f16 on a GPU
+    and f32 on the CPU, but f32 on sm_61/62 (P40, GTX 10x0: f16 arithmetic at 1/64 of the f32 rate; sm_60, the
+    P100, runs f16 at twice its f32 rate and keeps it). ValueError for bf16 on a GPU before sm_80, which has no
+    bf16 arithmetic (V100, T4: serve f16). On the CPU, f32 stays the default (the answers nearest the
+    reference), bf16 is served where asked, and the line says what the CPU's GEMMs can do with it
+    (clef_cuda.cpu_features): with bf16 dot products (AVX512-BF16, AMX) bf16 GEMMs run at about 2.5x the f32
+    rate; without them oneDNN converts in software and bf16 is the slower one."""
     if device.type != "cuda":
+        from clef_cuda import ops
+        from clef_cuda.cpu_features import cpu_gemm_features
+
+        features = cpu_gemm_features(ops.cpu_isa())
+        if requested == torch.bfloat16 and features.bf16 is None:
+            return requested, (
+                f"serving bf16 on a CPU whose GEMMs have {features.describe()} (our kernels: {ops.cpu_isa()}): "
+                "its bf16 GEMMs convert in software and run slower than f32 (--dtype f32 is faster here)"
+            )
+        if requested is None and features.bf16 is not None:
+            return torch.float32, (
+                f"serving f32 on the CPU; its GEMMs have {features.describe()}: --dtype bf16 runs them at about "
+                "2.5x the f32 rate, within the bf16 bound of these answers (docs/operations.md)"
+            )
         return requested or torch.float32, None
     major, minor = torch.cuda.get_device_capability(device)
     if requested == torch.bfloat16 and major < 8:

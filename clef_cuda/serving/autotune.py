@@ -456,7 +456,7 @@ def tune_int8_linear(
     target: TuneTarget, weight: Int8Weight, config, mode: str, report: AutotuneReport, trial: Trial = no_trial
 ) -> None:
     """With int8 weights: per step size (int8_buckets), the fused W8A16 kernel (ops.int8_linear: at most 64 rows),
-    dequantize + GEMM, and on the CPU in fp32 torch._weight_int8pack_mm, on `weight` (int8_tuning_weight, or a
+    dequantize + GEMM, and on the CPU in fp32 and bf16 torch._weight_int8pack_mm, on `weight` (int8_tuning_weight, or a
     random one of its shape in a trial process); each checked against dequantize + GEMM first, each run a trial
     unit named by its kernel. The chosen ones become the trunk's int8_by_rows: where the fused kernel stops
     winning is measured on each device."""
@@ -479,7 +479,7 @@ def tune_int8_linear(
         }
         if rows <= INT8_FUSED_MAX_ROWS and fused_ok:
             candidates["fused"] = lambda x=x: library.int8_linear(x, weight.qweight, weight.scale)
-        if device.type == "cpu" and dtype == torch.float32:
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             candidates["int8pack_mm"] = lambda x=x: torch._weight_int8pack_mm(x, weight.qweight, weight.scale)
         rtol = max(1e-4, 2 * OP_RTOL.get(dtype, OP_RTOL[torch.bfloat16]))
         timings = {}
