@@ -89,6 +89,26 @@ def request_of_length(decider, tokens: int) -> dict:
     return request
 
 
+def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A "### title" line and a markdown table: the form benchmarks/RESULTS.md keeps."""
+    return [
+        f"### {title}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+    ] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def publish(lines: list[str], markdown: str | None) -> None:
+    """Print the table last, and append it to `markdown` when given."""
+    table = "\n".join(lines)
+    if markdown:
+        with open(markdown, "a") as f:
+            f.write("\n" + table + "\n")
+    print()
+    print(table)
+
+
 def interleaved_medians(fns: list, repeats: int, device) -> list[float]:
     """Median seconds of each fn, their runs interleaved (a, b, a, b, ...) so that a shared machine's
     changing load falls on all of them alike."""
@@ -259,13 +279,8 @@ def main() -> int:
 
     header = ["release", "tokens", "ours ms", "tokens/s", "reference ms", "speed-up", "where our time goes"]
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    lines = [
-        f"### {time.strftime('%Y-%m-%d')}, {device_name}, {args.dtype}, decision latency "
-        "(python benchmarks/decision_latency.py)",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-    ] + ["| " + " | ".join(r) + " |" for r in rows]
+    title = f"{time.strftime('%Y-%m-%d')}, {device_name}, {args.dtype}, decision latency"
+    lines = markdown_table(f"{title} (python benchmarks/decision_latency.py)", header, rows)
     lines += [
         "",
         "| release | peak host MB while loading: ours | reference | load s: ours | reference |",
@@ -278,12 +293,7 @@ def main() -> int:
             f"| {name} | {ours_load['peak_mb']:.0f} (torch import alone {ours_load['import_mb']:.0f}) | "
             f"{ref_peak} | {ours_load['seconds']:.2f} | {ref_seconds} |"
         )
-    table = "\n".join(lines)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + table + "\n")
-    print()
-    print(table)
+    publish(lines, args.markdown)
     return 0
 
 
