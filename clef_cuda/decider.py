@@ -71,7 +71,7 @@ def serving_dtype(device: torch.device, requested: torch.dtype | None = None) ->
         if requested is None and features.bf16 is not None:
             return torch.float32, (
                 f"serving f32 on the CPU; its GEMMs have {features.describe()}: --dtype bf16 runs them at about "
-                "2.5x the f32 rate, within the bf16 bound of these answers (docs/operations.md)"
+                "2.5x the f32 rate (what bf16 costs in answers: docs/operations.md, On the CPU)"
             )
         return requested or torch.float32, None
     major, minor = torch.cuda.get_device_capability(device)
