@@ -24,8 +24,17 @@ LIBRARY_CAPS = {
     "baseline": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
 LEVELS = ("baseline", "avx2", "avx512")
-# ONEDNN_MAX_CPU_ISA values below AVX-512 (what oneDNN then refuses to use): their level.
-ONEDNN_LEVELS = {"SSE41": "baseline", "AVX": "baseline", "AVX2": "avx2", "AVX2_VNNI": "avx2", "AVX2_VNNI_2": "avx2"}
+# ONEDNN_MAX_CPU_ISA values that leave out some of the flags above: the ones oneDNN may still use under each.
+ONEDNN_ALLOWS = {
+    "SSE41": frozenset(),
+    "AVX": frozenset(),
+    "AVX2": frozenset(),
+    "AVX2_VNNI": frozenset({"avx_vnni"}),
+    "AVX2_VNNI_2": frozenset({"avx_vnni"}),
+    "AVX512_CORE": frozenset(),
+    "AVX512_CORE_VNNI": frozenset({"avx512_vnni", "avx_vnni"}),
+    "AVX512_CORE_BF16": frozenset({"avx512_bf16", "avx512_vnni", "avx_vnni"}),
+}
 
 
 @dataclass(frozen=True)
@@ -51,22 +60,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def gemm_level(kernel_isa: str) -> str:
-    """The highest instruction-set level the GEMMs may use: our kernels' pin, and ONEDNN_MAX_CPU_ISA if lower."""
-    level = kernel_isa if kernel_isa in LEVELS else "avx512"
-    onednn = ONEDNN_LEVELS.get(os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper())
-    if onednn is not None and LEVELS.index(onednn) < LEVELS.index(level):
-        level = onednn
-    return level
-
-
 def cpu_gemm_features(kernel_isa: str, flags: frozenset[str] | None = None) -> CpuGemmFeatures:
-    """What the GEMMs can use on this CPU at our kernels' instruction set `kernel_isa` (clef_cuda.ops.cpu_isa())."""
+    """What the GEMMs can use on this CPU at our kernels' instruction set `kernel_isa` (clef_cuda.ops.cpu_isa()),
+    within ONEDNN_MAX_CPU_ISA when that is set."""
     flags = cpu_flags() if flags is None else flags
-    level = LEVELS.index(gemm_level(kernel_isa))
+    level = LEVELS.index(kernel_isa if kernel_isa in LEVELS else "avx512")
+    onednn = ONEDNN_ALLOWS.get(os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper())
+
+    def usable(flag: str, needs: str) -> bool:
+        return flag in flags and LEVELS.index(needs) <= level and (onednn is None or flag in onednn)
 
     def first(wanted: dict[str, str]) -> str | None:
-        return next((f for f, needs in wanted.items() if f in flags and LEVELS.index(needs) <= level), None)
+        return next((flag for flag, needs in wanted.items() if usable(flag, needs)), None)
 
     return CpuGemmFeatures(bf16=first(BF16_FLAGS), int8=first(INT8_FLAGS))
 

@@ -103,6 +103,7 @@ AVX512_BF16_VNNI = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"})
 
 
 def test_the_gemm_features_follow_the_flags_and_the_pinned_level(monkeypatch):
+    from clef_cuda import cpu_features
     from clef_cuda.cpu_features import cpu_gemm_features
 
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
@@ -123,6 +124,8 @@ def test_the_gemm_features_follow_the_flags_and_the_pinned_level(monkeypatch):
     )
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")  # oneDNN's own cap, set by hand, counts too
     assert cpu_gemm_features("avx512", AVX512_BF16_VNNI).bf16 is None
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")  # AVX-512 with VNNI, without its bf16
+    assert cpu_gemm_features("avx512", AVX512_BF16_VNNI) == cpu_features.CpuGemmFeatures(None, "avx512_vnni")
 
 
 def test_a_pinned_level_caps_the_libraries_unless_they_are_set():
