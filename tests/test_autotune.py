@@ -89,6 +89,13 @@ def test_the_cache_is_reused_and_another_devices_is_ignored(tiny, tmp_path, monk
     assert not tuning.autotune(tiny.trunk, CONFIG, "fast", tmp_path).cached
     other = tuning.cache_key(tiny.trunk, CONFIG, "fast", tuning.attention_buckets("fast", 2, 256, 4096))
     assert tuning.cache_file(tmp_path, other | {"device": "another cpu"}) != path
+    # The GEMMs capped below the CPU's bf16 dot products (ONEDNN_MAX_CPU_ISA): another key, tuned again.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
+    capped = tuning.cache_key(tiny.trunk, CONFIG, "fast", tuning.attention_buckets("fast", 2, 256, 4096))
+    assert capped["gemm"] == "no bf16 dot products, no int8 dot products"
+    assert capped == other | {"gemm": capped["gemm"]}  # the same key but for the GEMMs' features
+    if other["gemm"] != capped["gemm"]:  # a CPU with bf16 or int8 dot products: its own file
+        assert tuning.cache_file(tmp_path, capped) != tuning.cache_file(tmp_path, other)
 
 
 def test_a_batch_runs_its_nearest_buckets_choice():

@@ -58,6 +58,7 @@ import torch
 
 import clef_cuda
 from clef_cuda import ops, reference
+from clef_cuda.cpu_features import cpu_gemm_features
 from clef_cuda.model.config import TrunkConfig
 from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import DEFAULT_INT8_BY_ROWS, INT8_FUSED_MAX_ROWS, ChunkBatch, SequenceChunk, Trunk
@@ -545,6 +546,8 @@ def cache_key(trunk: Trunk, config, mode: str, buckets: list[Bucket]) -> dict:
     else:
         where = {"device": f"cpu {platform.processor() or platform.machine()}", "cpu_isa": ops.cpu_isa()}
         where["cpu_model"] = _cpu_model()
+        # What torch's GEMMs may use here: a cap on oneDNN (CLEF_CPU_ISA, ONEDNN_MAX_CPU_ISA) changes their speed.
+        where["gemm"] = cpu_gemm_features(ops.cpu_isa()).describe()
         where["threads"] = torch.get_num_threads()
     c = trunk.config
     return where | {
