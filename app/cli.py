@@ -504,10 +504,13 @@ def make_engine(args, on_lost=None):
         raise
 
 
-def resolve_dtype(args, log) -> None:
-    """--dtype for the device: the default it should serve in (f32 on sm_61 and the CPU), a log line where
-    serving_dtype has one (the default on sm_61; on the CPU, what its GEMMs can do with bf16), and a one-line
-    error for bf16 on a GPU without bf16 arithmetic."""
+def resolve_dtype(args) -> tuple[int, str] | None:
+    """--dtype for the device: the default it should serve in (f32 on sm_61 and the CPU), and a one-line error for
+    bf16 on a GPU without bf16 arithmetic. Returns the line serving_dtype has to log (the default on sm_61; on the
+    CPU, what its GEMMs do with bf16) as (level, text), for the caller to log once every other check has passed:
+    a bad invocation's error stays the only line it prints."""
+    import logging
+
     import torch
 
     from clef_cuda.decider import serving_dtype
@@ -515,8 +518,9 @@ def resolve_dtype(args, log) -> None:
     device = resolve_device(args.device)
     dtype, why = serving_dtype(device, getattr(torch, DTYPES[args.dtype]) if args.dtype else None)
     args.dtype = next(name for name, value in DTYPES.items() if getattr(torch, value) == dtype)
-    if why:
-        (log.info if device.type == "cpu" and dtype == torch.float32 else log.warning)("%s", why)
+    if not why:
+        return None
+    return (logging.INFO if device.type == "cpu" and dtype == torch.float32 else logging.WARNING), why
 
 
 def make_plan(args, quantize: str | None = None, vocab_tables: str | None = None):
@@ -676,7 +680,7 @@ def check_before_loading(args, parser, log) -> tuple[int | None, str]:
         import clef_cuda.ops  # noqa: F401  (applies CLEF_CPU_ISA: ValueError for a variant this CPU lacks)
 
         resolve_device(args.device)
-        resolve_dtype(args, log)
+        dtype_line = resolve_dtype(args)
         if args.weights is not None and not Path(args.weights).is_dir():
             raise ValueError(f"--w {args.weights}: not a directory (expected a Clef release)")
         args.served_model_name, description = served_model(args)  # before --w is filled in with the embedded model
@@ -690,6 +694,8 @@ def check_before_loading(args, parser, log) -> tuple[int | None, str]:
         check_adapters(args, load_release_config(args.weights))
         check_tensor_parallel(args, load_release_config(args.weights), log)
         check_not_prequantized(args.weights, load_release_config(args.weights).fp8_block_size)
+        if dtype_line:
+            log.log(*dtype_line)
         return check_plan(args, log), description
     except (ValueError, ImportError, ReleaseError, AdapterError) as error:
         parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")

@@ -173,9 +173,7 @@ def main() -> int:
         parser.exit(2, f"cpu_peers: --shapes: unknown shape {unknown[0]!r} (of {', '.join(SHAPES)})\n")
     if not args.ours_only:
         if importlib.util.find_spec("llama_cpp") is None:
-            parser.exit(
-                2, "cpu_peers: llama_cpp is not installed (pip install llama-cpp-python==0.3.36; or --ours-only)\n"
-            )
+            parser.exit(2, "cpu_peers: llama_cpp is not installed (pip install llama-cpp-python; or --ours-only)\n")
         if args.llama_cpp_src is None or not (args.llama_cpp_src / "convert_hf_to_gguf.py").is_file():
             parser.exit(2, f"cpu_peers: --llama-cpp-src: no convert_hf_to_gguf.py in {args.llama_cpp_src}\n")
     threads = [int(t) for t in args.threads.split(",")]

@@ -332,8 +332,6 @@ def test_the_serving_dtype_follows_the_card(monkeypatch, capability, requested, 
 @pytest.mark.parametrize("capability", [(7, 0), (7, 5), (6, 1)])
 def test_bf16_before_sm_80_is_a_one_line_error_naming_f16(monkeypatch, capability):
     """V100 and T4 have no bf16 arithmetic: refused in one line (the CLI's exit 2), naming the card and f16."""
-    import logging
-
     from app import cli
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -343,7 +341,7 @@ def test_bf16_before_sm_80_is_a_one_line_error_naming_f16(monkeypatch, capabilit
     with pytest.raises(
         ValueError, match=r"--dtype bf16 needs sm_80 or newer .*Tesla V100-SXM2-16GB is sm_\d+: serve --dtype f16"
     ):
-        cli.resolve_dtype(args, logging.getLogger("test"))
+        cli.resolve_dtype(args)
     args = cli.build_parser().parse_args([])
-    cli.resolve_dtype(args, logging.getLogger("test"))
+    cli.resolve_dtype(args)
     assert args.dtype == ("f32" if capability == (6, 1) else "f16")
