@@ -23,7 +23,6 @@ loading. A missing llama_cpp package or converter is a one-line error, exit 2 (-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import gc
 import importlib.util
@@ -180,7 +179,9 @@ def main() -> int:
     from clef_cuda import ops
 
     isa = ops.cpu_isa()
-    cpu = cpu_name()
+    from clef_cuda.cpu_features import cpu_model
+
+    cpu = cpu_model()
     rows = []
     generator = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,14 +243,6 @@ def main() -> int:
     lines = decision_latency.markdown_table(f"{title} (python benchmarks/cpu_peers.py)", header, rows)
     decision_latency.publish(lines, args.markdown)
     return 0
-
-
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "CPU"
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,15 +50,28 @@ class CpuGemmFeatures:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The first processor's flags from /proc/cpuinfo; empty where there is none (not Linux)."""
+def first_processor() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("flags", "model name", ...); empty where there is none."""
+    fields: dict[str, str] = {}
     try:
         for line in CPUINFO.read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if not line.strip() and fields:
+                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The first processor's flags; empty where there is no /proc/cpuinfo (not Linux)."""
+    return frozenset(first_processor().get("flags", "").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC ..."), else what platform says."""
+    return first_processor().get("model name") or platform.processor()
 
 
 def cpu_gemm_features(kernel_isa: str, flags: frozenset[str] | None = None) -> CpuGemmFeatures:

@@ -62,10 +62,11 @@ def serving_dtype(device: torch.device, requested: torch.dtype | None = None) ->
         from clef_cuda import ops
         from clef_cuda.cpu_features import cpu_gemm_features
 
-        features = cpu_gemm_features(ops.cpu_isa())
+        isa = ops.cpu_isa()
+        features = cpu_gemm_features(isa)
         if requested == torch.bfloat16 and features.bf16 is None:
             return requested, (
-                f"serving bf16 on a CPU whose GEMMs have {features.describe()} (our kernels: {ops.cpu_isa()}): "
+                f"serving bf16 on a CPU whose GEMMs have {features.describe()} (our kernels: {isa}): "
                 "its bf16 GEMMs convert in software and run slower than f32 (--dtype f32 is faster here)"
             )
         if requested is None and features.bf16 is not None:

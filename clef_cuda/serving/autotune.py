@@ -58,7 +58,7 @@ import torch
 
 import clef_cuda
 from clef_cuda import ops, reference
-from clef_cuda.cpu_features import cpu_gemm_features
+from clef_cuda.cpu_features import cpu_gemm_features, cpu_model
 from clef_cuda.model.config import TrunkConfig
 from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import DEFAULT_INT8_BY_ROWS, INT8_FUSED_MAX_ROWS, ChunkBatch, SequenceChunk, Trunk
@@ -545,7 +545,7 @@ def cache_key(trunk: Trunk, config, mode: str, buckets: list[Bucket]) -> dict:
         where["driver"] = cuda_driver_version()
     else:
         where = {"device": f"cpu {platform.processor() or platform.machine()}", "cpu_isa": ops.cpu_isa()}
-        where["cpu_model"] = _cpu_model()
+        where["cpu_model"] = cpu_model()
         # What torch's GEMMs may use here: a cap on oneDNN (CLEF_CPU_ISA, ONEDNN_MAX_CPU_ISA) changes their speed.
         where["gemm"] = cpu_gemm_features(ops.cpu_isa()).describe()
         where["threads"] = torch.get_num_threads()
@@ -559,16 +559,6 @@ def cache_key(trunk: Trunk, config, mode: str, buckets: list[Bucket]) -> dict:
         "shapes": [c.num_attention_heads, c.num_key_value_heads, c.head_dim, config.block_size],
         "buckets": [asdict(b) for b in buckets],
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def cache_file(directory: Path, key: dict) -> Path:
