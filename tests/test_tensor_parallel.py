@@ -78,6 +78,28 @@ def test_each_rank_loads_its_share_of_the_trunk(size):
         assert torch.equal(torch.cat(rows[table]), whole[table]), table
 
 
+def test_ranks_on_the_cpu_share_its_cores(caplog):
+    """Rank 0's intra-op threads (6 here, as on a 6-core machine) split between the ranks, workers included, while
+    the group runs (every rank with the whole pool kept the others off the cores: TP=4 on 2 cores served 3.7x
+    slower); rank 0's pool comes back when the group stops."""
+    caplog.set_level("INFO", logger="clef_cuda.serving.tensor_parallel")
+    before = torch.get_num_threads()
+    torch.set_num_threads(6)  # not twice a worker's default on the 2-core CI machine: a worker ignoring it fails
+    try:
+        group = TensorParallel(2)
+        decider = Decider.from_release(tiny_release(), device="cpu", progress=False, tensor_parallel=group)
+        try:
+            assert torch.get_num_threads() == 3
+            ready = [r.getMessage() for r in caplog.records if "tensor-parallel rank 1 ready" in r.getMessage()]
+            assert len(ready) == 1 and ready[0].endswith(", 3 intra-op thread(s)"), ready
+            assert decider.decide({"model": "clef-flash", "state": "x", "questions": {"q": {"type": "noul"}}})["answers"]["q"]
+        finally:
+            group.stop()
+        assert torch.get_num_threads() == 6
+    finally:
+        torch.set_num_threads(before)
+
+
 def capture_answers(monkeypatch) -> list[dict[str, float]]:
     """Each answered question's unrounded probabilities by option, in answer order."""
     seen: list[dict[str, float]] = []

@@ -32,11 +32,17 @@ def trained(tmp_path_factory) -> Path:
 
 def _train_three_steps(out: Path, *extra: str) -> Path:
     """Three steps of each phase (or what `extra` says instead)."""
+    _train(out, *extra)
+    return out
+
+
+def _train(out: Path, *extra: str) -> str:
+    """training.train as _train_three_steps runs it; its standard output."""
     command = [sys.executable, "-m", "training.train", "--out", str(out), "--lm-steps", "3", "--steps", "3"]
     command += ["--eval-every", "2", "--eval-count", "8", *extra]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    return out
+    return done.stdout
 
 
 def test_training_forward_is_the_serving_forward(trained, tmp_path):
@@ -80,11 +86,11 @@ def test_training_is_deterministic(trained, tmp_path):
 def test_a_resumed_run_writes_the_same_weights(tmp_path):
     """A run checkpointed in its language-model phase, resumed across the switch to the decision phase."""
     schedule = ("--lm-steps", "3", "--steps", "1", "--checkpoint-every", "2")
-    whole = _train_three_steps(tmp_path / "whole", *schedule, "--checkpoint", str(tmp_path / "unused.ckpt"))
     checkpoint = tmp_path / "run.ckpt"
-    _train_three_steps(tmp_path / "first", *schedule, "--checkpoint", str(checkpoint))
-    assert torch.load(checkpoint, weights_only=False)["phase"] == "lm"  # left at LM step 2
-    resumed = _train_three_steps(tmp_path / "resumed", *schedule, "--checkpoint", str(checkpoint))
+    whole = _train_three_steps(tmp_path / "whole", *schedule, "--checkpoint", str(checkpoint))
+    assert torch.load(checkpoint, weights_only=False)["phase"] == "lm"  # its last checkpoint: LM step 2
+    resumed = tmp_path / "resumed"
+    assert f"resumed from {checkpoint}: lm step 2" in _train(resumed, *schedule, "--checkpoint", str(checkpoint))
     for name in ("model.safetensors", "joint_head.safetensors"):
         assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
     summary = json.loads((resumed / "TRAINING.json").read_text())

@@ -257,6 +257,7 @@ class TensorParallel:
         self._store = None
         self._launched = 0.0
         self.answered: list = []  # what each worker answered to the last call (a self-check's report)
+        self._threads_before: int | None = None  # rank 0's intra-op threads before a CPU group shared them
 
     # ---- start-up ------------------------------------------------------------------------------------
     def launch(
@@ -275,6 +276,7 @@ class TensorParallel:
         self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False)
         self._launched = time.monotonic()
         self.device = device
+        threads = self._share_cores() if device.type == "cpu" else 0
         try:
             for rank in range(1, self.size):
                 ours, theirs = socket.socketpair()
@@ -300,6 +302,8 @@ class TensorParallel:
                     "{}:{}".format(*vocab_split[rank]),
                     "--timeout",
                     str(self.timeout),
+                    "--threads",
+                    str(threads),
                 ]
                 self.workers.append(Child(f"tensor-parallel rank {rank}", argv, pass_fds=(theirs.fileno(),)))
                 theirs.close()
@@ -309,6 +313,17 @@ class TensorParallel:
             self.stop()
             raise
         threading.Thread(target=self._watch, name="clef-tp-watch", daemon=True).start()
+
+    def _share_cores(self) -> int:
+        """On the CPU every rank computes on the same cores: each gets an equal share of rank 0's intra-op threads
+        (at least one), rank 0 included, until stop(). Each rank with the whole pool had 4 ranks on 2 cores
+        run 8 threads, and every collective waited for ranks the others' threads kept off the cores: TP=4 served
+        3.7x slower than with a share each (tests/test_tensor_parallel.py's corpus, 2 cores)."""
+        self._threads_before = torch.get_num_threads()
+        share = max(1, self._threads_before // self.size)
+        torch.set_num_threads(share)
+        log.info("tensor parallel on the CPU: %d ranks, %d intra-op thread(s) each", self.size, share)
+        return share
 
     def join(self, device: torch.device) -> None:
         """Wait for every worker's report (its shard loaded), then rendezvous; TensorParallelLost (every
@@ -499,6 +514,9 @@ class TensorParallel:
                 dist.destroy_process_group()
             except Exception as error:  # a group whose peers are gone may not destroy cleanly
                 log.warning("leaving the tensor-parallel group: %s", first_line(error))
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
 
 class RemoteVisionTower:
@@ -563,7 +581,10 @@ def worker_main(argv: list[str]) -> int:
     for name in ("--release", "--device", "--dtype", "--quantize", "--vocab-tables", "--vocab-rows"):
         parser.add_argument(name, required=True)
     parser.add_argument("--timeout", type=float, default=TP_TIMEOUT_S)
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads > 0:  # a CPU rank's share of the cores (TensorParallel._share_cores)
+        torch.set_num_threads(args.threads)
     die_with_parent(args.parent)
     # SIGTERM and Ctrl-C go to rank 0, which drains and then stops the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -616,6 +637,8 @@ def _worker(args, channel: Connection) -> int:
     ready = f"{layers / 2**20:.1f} MiB of trunk weights, {tables / 2**20:.1f} MiB of vocabulary rows"
     if tower is not None:
         ready += f", the vision tower ({tensor_bytes(vars(tower)) / 2**20:.1f} MiB)"
+    if device.type == "cpu":
+        ready += f", {torch.get_num_threads()} intra-op thread(s)"
     channel.send_bytes(pickle.dumps(("ready", ready)))
     store = dist.TCPStore(
         "127.0.0.1", args.port, args.size, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
