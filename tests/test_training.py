@@ -6,10 +6,12 @@ generator has its own tests (tests/test_vocabulary.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,10 +26,17 @@ from training.model import TrainableClef
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
+@pytest.fixture
+def trained() -> Path:
     """A release from a 3-step training run (the pipeline end to end, not a useful model)."""
-    return _train_three_steps(tmp_path_factory.mktemp("clef-tiny"))
+    return _trained_once()
+
+
+@functools.cache
+def _trained_once() -> Path:
+    """Once a process, not once a module: under `--dist worksteal` a worker may run this module's tests apart, and a
+    module fixture is set up again each time (three 10 s runs in one suite)."""
+    return _train_three_steps(Path(tempfile.mkdtemp(prefix="clef-tiny-trained-")))
 
 
 def _train_three_steps(out: Path, *extra: str) -> Path:

@@ -27,13 +27,19 @@ CLEF_INLINE void add_rms_norm_rows(const AddRmsNormParams& p, int64_t r0, int64_
   }
 }
 
+// The SiLU and sigmoid loops run kLanes values at a time through exp_vf16: the scalar exp_vec's underflow branch
+// kept the compiler from vectorising them (silu_mul took 2.8x eager torch's time at 2,048 x 128 in fp32, 5x in
+// bf16). The tail runs the scalar function: the same polynomial.
 template <typename T>
 CLEF_INLINE void silu_mul_rows(const SiluMulParams& p, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* gate = static_cast<const T*>(p.gate_up) + r * 2 * p.cols;
     const T* up = gate + p.cols;
     T* out = static_cast<T*>(p.out) + r * p.cols;
-    for (int c = 0; c < p.cols; ++c) out[c] = from_f32<T>(silu_vec(to_f32(gate[c])) * to_f32(up[c]));
+    int c = 0;
+    for (; c + kLanes <= p.cols; c += kLanes)
+      store_from_vf16(out + c, silu_vf16(load_as_vf16(gate + c)) * load_as_vf16(up + c));
+    for (; c < p.cols; ++c) out[c] = from_f32<T>(silu_vec(to_f32(gate[c])) * to_f32(up[c]));
   }
 }
 
@@ -48,8 +54,10 @@ CLEF_INLINE void gated_rms_norm_rows(const GatedRmsNormParams& p, int64_t r0, in
     float ss = 0.0f;
     for (int d = 0; d < p.dim; ++d) ss += to_f32(core[d]) * to_f32(core[d]);
     const float factor = rms_factor(ss, p.dim, p.eps);
-    for (int d = 0; d < p.dim; ++d)
-      out[d] = from_f32<T>(to_f32(core[d]) * factor * p.weight[d] * silu_vec(to_f32(z[d])));
+    int d = 0;
+    for (; d + kLanes <= p.dim; d += kLanes)
+      store_from_vf16(out + d, load_as_vf16(core + d) * factor * load_vf16(p.weight + d) * silu_vf16(load_as_vf16(z + d)));
+    for (; d < p.dim; ++d) out[d] = from_f32<T>(to_f32(core[d]) * factor * p.weight[d] * silu_vec(to_f32(z[d])));
   }
 }
 
@@ -84,7 +92,10 @@ CLEF_INLINE void sigmoid_gate_rows(const SigmoidGateParams& p, int64_t t0, int64
       const T* attn = static_cast<const T*>(p.attn) + at;
       const T* gate = static_cast<const T*>(p.gate) + token * p.gate_token_stride + head * p.gate_head_stride;
       T* out = static_cast<T*>(p.out) + at;
-      for (int d = 0; d < p.dim; ++d) out[d] = from_f32<T>(to_f32(attn[d]) / (1.0f + exp_vec(-to_f32(gate[d]))));
+      int d = 0;
+      for (; d + kLanes <= p.dim; d += kLanes)
+        store_from_vf16(out + d, load_as_vf16(attn + d) / (1.0f + exp_vf16(-load_as_vf16(gate + d))));
+      for (; d < p.dim; ++d) out[d] = from_f32<T>(to_f32(attn[d]) / (1.0f + exp_vec(-to_f32(gate[d]))));
     }
 }
 
