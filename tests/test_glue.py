@@ -68,8 +68,14 @@ def run_sigmoid_gate(ops, tokens, heads, dim, dtype, device):
 def shapes(backend):
     """(rows, cols) / (tokens, heads, dim): full-size on fast backends, small in the simulator."""
     if backend.kind == "sim":
-        return {"rows": [(1, 33), (5, 300)], "heads": [(1, 1, 32), (3, 2, 64)]}
-    return {"rows": [(1, 33), (7, 4096), (130, 1000)], "heads": [(1, 1, 32), (9, 16, 128), (37, 4, 256)]}
+        return {"rows": [(1, 33), (5, 300)], "heads": [(1, 1, 32), (3, 2, 64)], "gated_heads": [(1, 1, 32), (3, 2, 64)]}
+    heads = [(1, 1, 32), (9, 16, 128), (37, 4, 256)]
+    # The CPU loops run 16 lanes at a time and the rest one by one: a head dim of 40 ends in a tail of 8.
+    return {
+        "rows": [(1, 33), (7, 4096), (130, 1000)],
+        "heads": heads,
+        "gated_heads": heads + [(5, 3, 40)] * (backend.kind == "cpu"),
+    }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -91,7 +97,7 @@ def test_silu_mul_matches_the_reference(backend, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_rms_norm_matches_the_reference(backend, dtype):
-    for tokens, heads, dim in shapes(backend)["heads"]:
+    for tokens, heads, dim in shapes(backend)["gated_heads"]:
         out, expected = run_gated_rms_norm(backend.ops, tokens, heads, dim, dtype, backend.device)
         assert out.shape == (tokens, heads * dim) and close(out, expected, dtype)[0], (tokens, heads, dim)
 
@@ -106,7 +112,7 @@ def test_rms_norm_rope_matches_the_reference(backend, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sigmoid_gate_matches_the_reference(backend, dtype):
-    for tokens, heads, dim in shapes(backend)["heads"]:
+    for tokens, heads, dim in shapes(backend)["gated_heads"]:
         out, expected = run_sigmoid_gate(backend.ops, tokens, heads, dim, dtype, backend.device)
         assert out.shape == (tokens, heads * dim) and close(out, expected, dtype)[0], (tokens, heads, dim)
 

@@ -56,7 +56,8 @@ CLEF_INLINE void gated_rms_norm_rows(const GatedRmsNormParams& p, int64_t r0, in
     const float factor = rms_factor(ss, p.dim, p.eps);
     int d = 0;
     for (; d + kLanes <= p.dim; d += kLanes)
-      store_from_vf16(out + d, load_as_vf16(core + d) * factor * load_vf16(p.weight + d) * silu_vf16(load_as_vf16(z + d)));
+      store_from_vf16(out + d,
+                      load_as_vf16(core + d) * factor * load_vf16(p.weight + d) * silu_vf16(load_as_vf16(z + d)));
     for (; d < p.dim; ++d) out[d] = from_f32<T>(to_f32(core[d]) * factor * p.weight[d] * silu_vec(to_f32(z[d])));
   }
 }
