@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The fused glue ops with a SiLU or a sigmoid (csrc/glue/glue_cpu.cpp) on the CPU against eager torch
 (clef_cuda.reference: the same math, one torch op a pass), per CPU kernel variant and dtype, at clef-flash's
-widths: time per call (median of --repeats) and eager / ours (above 1: ours is faster). Threads: torch's
-default unless --threads.
+widths: time per call (median of --repeats, ours and eager interleaved) and eager / ours (above 1: ours is
+faster). Threads: torch's default unless --threads.
 
     python benchmarks/glue_cpu.py                 # 512 rows, every variant this CPU runs, f32 and bf16
     python benchmarks/glue_cpu.py --rows 2048 --threads 1
@@ -11,11 +11,10 @@ default unless --threads.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
+from decision_latency import interleaved_medians, markdown_table  # benchmarks/, the script's own directory
 
 from clef_cuda import ops, reference
 
@@ -42,16 +41,6 @@ def cases(rows: int, dtype: torch.dtype) -> dict[str, tuple]:
     }
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()  # first call: allocations, thread pool
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=512, help="tokens a call (default 512)")
@@ -62,15 +51,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rows and --repeats must be positive, --threads not negative")
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"{args.rows} rows, {torch.get_num_threads()} thread(s), median of {args.repeats} calls\n")
-    print("| op | variant | dtype | ours (ms) | eager (ms) | eager / ours |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for isa in ops.supported_cpu_isas():
         with ops.using_cpu_isa(isa):
             for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
                 for op, (ours, eager) in cases(args.rows, dtype).items():
-                    t_ours, t_eager = median_ms(ours, args.repeats), median_ms(eager, args.repeats)
-                    print(f"| {op} | {isa} | {name} | {t_ours:.2f} | {t_eager:.2f} | {t_eager / t_ours:.2f} |")
+                    t_ours, t_eager = interleaved_medians([ours, eager], args.repeats, torch.device("cpu"))
+                    rows.append(
+                        [op, isa, name, f"{1e3 * t_ours:.2f}", f"{1e3 * t_eager:.2f}", f"{t_eager / t_ours:.2f}"]
+                    )
+    title = f"{args.rows} rows, {torch.get_num_threads()} thread(s), median of {args.repeats} calls"
+    header = ["op", "variant", "dtype", "ours (ms)", "eager (ms)", "eager / ours"]
+    print("\n".join(markdown_table(title, header, rows)))
     return 0
 
 
