@@ -509,8 +509,6 @@ def resolve_dtype(args) -> tuple[int, str] | None:
     bf16 on a GPU without bf16 arithmetic. Returns the line serving_dtype has to log (the default on sm_61; on the
     CPU, what its GEMMs do with bf16) as (level, text), for the caller to log once every other check has passed:
     a bad invocation's error stays the only line it prints."""
-    import logging
-
     import torch
 
     from clef_cuda.decider import serving_dtype

@@ -547,7 +547,7 @@ def cache_key(trunk: Trunk, config, mode: str, buckets: list[Bucket]) -> dict:
         where = {"device": f"cpu {platform.processor() or platform.machine()}", "cpu_isa": ops.cpu_isa()}
         where["cpu_model"] = cpu_model()
         # What torch's GEMMs may use here: a cap on oneDNN (CLEF_CPU_ISA, ONEDNN_MAX_CPU_ISA) changes their speed.
-        where["gemm"] = cpu_gemm_features(ops.cpu_isa()).describe()
+        where["gemm"] = cpu_gemm_features(where["cpu_isa"]).describe()
         where["threads"] = torch.get_num_threads()
     c = trunk.config
     return where | {
