@@ -132,12 +132,15 @@ class OpLibrary:
         scale: float | None = None,
         use_qk_l2norm: bool = True,
         out: Tensor | None = None,
+        kernel: str = "auto",
     ) -> Tensor:
         """Gated delta rule over packed sequences (prefill chunks), continuing from and updating fp32 states.
 
         q, k [N, Hk, Dk], v [N, Hv, Dv] (Hv a multiple of Hk; any token/head strides, last dim contiguous),
         g [N, Hv] log decay, beta [N, Hv], states [S, Hv, Dk, Dv] fp32, cu_seqlens [B+1], state_indices [B],
         has_initial_state [B]; scale defaults to Dk ** -0.5 -> out [N, Hv, Dv] (dtype of v).
+        kernel: "auto" (the dispatch rule; see gated_delta_rule_dispatch), or on a GPU "chunked" (64-token
+        chunks on tensor cores) or "serial" (token by token, fp32 SIMT) forced: the autotune, benchmarks, tests.
         """
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         if out is None:
@@ -155,8 +158,15 @@ class OpLibrary:
             float(q.shape[-1] ** -0.5 if scale is None else scale),
             use_qk_l2norm,
             out,
+            kernel,
         )
         return out
+
+    def gated_delta_rule_dispatch(self, q: Tensor, v: Tensor, cu_seqlens: Tensor, kernel: str = "auto") -> str:
+        """Which kernel gated_delta_rule_chunk runs for a pack of these tensors: "chunked" (f16 from sm_70, bf16
+        from sm_80, head dims 16..128, sequences of 32 tokens or more on average), "serial" or "cpu". A forced
+        kernel that cannot run them raises ValueError saying why."""
+        return self._ops.gated_delta_rule_dispatch(q, v, _int32(cu_seqlens), kernel)
 
     def gated_delta_rule_recurrent(
         self,
@@ -427,6 +437,7 @@ _default = OpLibrary("clef")
 causal_conv1d_fwd = _default.causal_conv1d_fwd
 causal_conv1d_update = _default.causal_conv1d_update
 gated_delta_rule_chunk = _default.gated_delta_rule_chunk
+gated_delta_rule_dispatch = _default.gated_delta_rule_dispatch
 gated_delta_rule_recurrent = _default.gated_delta_rule_recurrent
 reshape_and_cache = _default.reshape_and_cache
 paged_attention = _default.paged_attention

@@ -141,9 +141,11 @@ def gated_delta_rule_chunk(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     out: Tensor | None = None,
+    kernel: str = "auto",
 ) -> Tensor:
     """q, k [N, Hk, Dk], v [N, Hv, Dv], g [N, Hv], beta [N, Hv], states [S, Hv, Dk, Dv] fp32 (updated),
-    cu_seqlens [B+1], state_indices [B], has_initial_state [B] -> out [N, Hv, Dv]. Chunked (WY) form."""
+    cu_seqlens [B+1], state_indices [B], has_initial_state [B] -> out [N, Hv, Dv]. Chunked (WY) form.
+    `kernel` (which CUDA kernel the fast op runs) is accepted and ignored: the reference has one."""
     num_v_heads, dk, dv = v.shape[1], q.shape[-1], v.shape[-1]
     scale = dk**-0.5 if scale is None else scale
     if out is None:

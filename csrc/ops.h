@@ -21,7 +21,11 @@ void causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, const s
 void gated_delta_rule_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, at::Tensor& states, const at::Tensor& cu_seqlens,
                             const at::Tensor& state_indices, const at::Tensor& has_initial_state, double scale,
-                            bool use_qk_l2norm, at::Tensor& out);
+                            bool use_qk_l2norm, at::Tensor& out, c10::string_view kernel);
+// Which kernel gated_delta_rule_chunk would run for a pack of these tensors: "chunked", "serial" or "cpu" (kernel:
+// "auto", or a forced one, which raises when it cannot run them).
+std::string gated_delta_rule_dispatch(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                      c10::string_view kernel);
 void gated_delta_rule_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                 const at::Tensor& beta, at::Tensor& states, const at::Tensor& state_indices,
                                 double scale, bool use_qk_l2norm, at::Tensor& out);

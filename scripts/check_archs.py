@@ -87,6 +87,9 @@ int main() {
 ARCHS = arch_table()
 HEAD_DIMS = (16, 32, 64, 128, 256)
 WMMA_HEAD_DIMS = (64, 128, 256)
+# The chunked delta rule's (head dim, state columns a CTA) and (head dim, output columns a pass).
+GDR_STATE_COLUMNS = ((16, 16), (32, 16), (32, 32), (64, 16), (64, 32), (128, 16), (128, 32))
+GDR_OUTPUT_COLUMNS = ((16, 16), (32, 32), (64, 64), (128, 128), (128, 64))
 
 # (kernels header, launcher, explicit instantiations). The launcher is read to make sure every size it
 # dispatches is compiled here too.
@@ -105,8 +108,26 @@ FAMILIES = {
             f"template __global__ void clef::gated_delta_rule_kernel<{t}, {d}, {d}>(clef::GatedDeltaRuleParams);"
             for t in DTYPES
             for d in (16, 32, 64, 128)
+        ]
+        + [
+            f"template __global__ void clef::gdr_chunk_prepare_kernel<{t}, {d}>(clef::GatedDeltaRuleParams);"
+            for t in DTYPES[1:]
+            for d in (16, 32, 64, 128)
+        ]
+        + [
+            f"template __global__ void clef::gdr_chunk_state_kernel<{t}, {d}, {bv}>(clef::GatedDeltaRuleParams);"
+            for t in DTYPES[1:]
+            for d, bv in GDR_STATE_COLUMNS
+        ]
+        + [
+            f"template __global__ void clef::gdr_chunk_output_kernel<{t}, {d}, {oc}>(clef::GatedDeltaRuleParams);"
+            for t in DTYPES[1:]
+            for d, oc in GDR_OUTPUT_COLUMNS
         ],
-        [16, 32, 64, 128],
+        # the serial kernel's head dims; the chunked one's head dim * 1000 + state columns * 10 + (output
+        # columns == head dim)
+        [16, 32, 64, 128]
+        + [d * 1000 + bv * 10 + (oc == d) for d, bv in GDR_STATE_COLUMNS for dd, oc in GDR_OUTPUT_COLUMNS if dd == d],
     ),
     "paged_attention": (
         "paged_attention/paged_attention_kernels.cuh",
@@ -415,7 +436,7 @@ def nvrtc_for(packages: str | None) -> tuple[Nvrtc, list[Path]]:
 def check(packages: str | None = None, arch: str = "sm_70") -> Report:
     """Compile every family for `arch` (one of ARCHS) and check its limits and attention tiles."""
     nvrtc, includes = nvrtc_for(packages)
-    options = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v", f"-I{ROOT / 'csrc'}"]
+    options = [f"--gpu-architecture={arch}", "-std=c++20", "--ptxas-options=-v", f"-I{ROOT / 'csrc'}"]
     options += [f"-I{i}" for i in includes]
     report = Report(arch, nvrtc.version)
     for family, (header, launcher, instantiations, sizes) in FAMILIES.items():

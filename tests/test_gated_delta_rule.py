@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TOLERANCE, load_fla_naive, qwen35_module, rel_err
+from conftest import (
+    TOLERANCE,
+    Backend,
+    _make_backend,
+    cuda_available,
+    load_fla_naive,
+    qwen35_module,
+    rel_err,
+    simulated,
+)
 from packing import cu_seqlens_of, nan_like, slot_plan
 
 from clef_cuda import reference
@@ -234,3 +243,221 @@ def test_cuda_launcher_rejects_uncompiled_head_dims(sim_ops):
     args.update(q=torch.zeros(7, 2, 24), k=torch.zeros(7, 2, 24), states=torch.zeros(4, 4, 24, 16))
     with pytest.raises(RuntimeError, match="need head_k_dim == head_v_dim"):
         sim_ops.gated_delta_rule_chunk(**args)
+
+
+# ---- the chunked kernel: 64-token chunks on tensor cores (the simulator, and a GPU where there is one) ----
+# Its roundings (gated_delta_rule_chunked.cuh: normalised q and k, the system's inverse, W, U, the state scaled
+# for the products, v_new, P, each rounded once to the activation dtype) put it a few units of that dtype's
+# roundoff from the fp32 reference, outputs and states alike: TOLERANCE[dtype] (f16 2e-3, bf16 1.6e-2), where
+# it measures 5e-4 and 4e-3.
+CHUNKED_BACKENDS = ["sim"] + (["cuda"] if cuda_available() else [])
+CHUNKED_CASES = {
+    # (lengths in one pack: 1..3 chunks, odd tails), [(Hk, Hv, D), ...]
+    "sim": ([1, 63, 64, 65, 129], [(2, 4, 16), (1, 1, 32)]),
+    "cuda": ([1, 63, 64, 65, 129, 192, 1000], [(1, 2, 16), (2, 4, 32), (2, 4, 64), (16, 32, 128), (16, 48, 128)]),
+}
+
+
+@pytest.fixture(params=CHUNKED_BACKENDS)
+def tc_backend(request):
+    yield from _make_backend(request, request.param)
+
+
+def chunked_errors(backend, lengths, hk, hv, d, dtype, kernel="chunked", **make):
+    """(output's, states') relative errors of the op against the reference on the same inputs, having
+    checked that every output element was written and no unused slot touched."""
+    q, k, v, g, beta, states, cu, slots, has_initial = make_inputs(lengths, hk, hv, d, d, dtype, backend.device)
+    for name, value in make.items():  # the caller's gates, betas or scaled inputs
+        target = {"g": g, "beta": beta, "q": q, "k": k}[name]
+        target.copy_(value(target))
+    expected_states = states.clone()
+    out = backend.ops.gated_delta_rule_chunk(
+        q, k, v, g, beta, states, cu, slots, has_initial, out=nan_like(v.contiguous()), kernel=kernel
+    )
+    expected = reference.gated_delta_rule_chunk(q, k, v, g, beta, expected_states, cu, slots, has_initial)
+    assert torch.isfinite(out).all(), "some output element was never written"
+    for s in set(range(states.shape[0])) - set(slots.tolist()):
+        assert torch.equal(states[s], expected_states[s]), "an unused slot was touched"
+    return rel_err(out, expected), rel_err(states, expected_states)
+
+
+def check_chunked(backend, lengths, hk, hv, d, dtype, **make):
+    out_err, state_err = chunked_errors(backend, lengths, hk, hv, d, dtype, **make)
+    assert out_err < TOLERANCE[dtype] and state_err < TOLERANCE[dtype], (hk, hv, d, out_err, state_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_chunked_matches_reference(tc_backend, dtype):
+    """1, 2 and 3 chunks with odd tails, several sequences in one pack, states read, not read and not kept
+    (a sequence without a slot), Hv = 2 Hk."""
+    lengths, shapes = CHUNKED_CASES[tc_backend.kind]
+    for hk, hv, d in shapes:
+        check_chunked(tc_backend, lengths, hk, hv, d, dtype)
+
+
+def test_chunked_runs_any_block_order(sim_ops):
+    """A GPU runs a grid's blocks in any order: the passes' CTAs write disjoint rows of the workspace."""
+    backend = Backend("sim", sim_ops, torch.device("cpu"))
+    with simulated(block_order="first-last"):
+        check_chunked(backend, [65, 130], 1, 2, 16, torch.float16)
+
+
+GATE_EDGES = {
+    "gates near 0": dict(g=lambda g: -1e-6 * torch.rand_like(g)),
+    "gates 0": dict(g=torch.zeros_like),
+    "gates near -inf": dict(g=lambda g: torch.full_like(g, -1e4)),
+    "gates -1e30": dict(g=lambda g: torch.full_like(g, -1e30)),
+    "gates mixed near 0 and -inf": dict(g=lambda g: torch.where(torch.rand_like(g) < 0.3, -1e4, -1e-6)),
+    "beta 0": dict(beta=torch.zeros_like),
+    "beta 1": dict(beta=torch.ones_like),
+    "beta 1, gates 0": dict(beta=torch.ones_like, g=torch.zeros_like),
+}
+
+
+@pytest.mark.parametrize("edge", list(GATE_EDGES))
+def test_chunked_at_the_gates_edges(tc_backend, edge):
+    check_chunked(tc_backend, [7, 140], 1, 2, 16, torch.float16, **GATE_EDGES[edge])
+
+
+def test_chunked_normalises_keys_before_they_are_rounded(tc_backend):
+    """f16 keys and queries whose K K^T overflows f16 (|k|^2 ~ 3e6 > 65,504): normalised in fp32 first, then
+    rounded, the kernel stays within f16's tolerance."""
+    big = dict(k=lambda k: k * 300, q=lambda q: q * 300)
+    q, k, *_ = make_inputs([70], 1, 2, 32, 32, torch.float16, "cpu")
+    raw = (k * 300).float()[:, 0]
+    assert (raw @ raw.T).abs().max() > 65504 and torch.isfinite((k * 300)).all()
+    check_chunked(tc_backend, [70, 65], 1, 2, 32, torch.float16, **big)
+
+
+def test_chunked_matches_fla_naive(tc_backend):
+    """Against FLA's naive chunked and recurrent oracles directly (keys normalised by the caller, no fused
+    norm), on the same f16-rounded inputs, with an initial state carried in and the final one out."""
+    naive = load_fla_naive()
+    length, h, d = 150, 2, 32
+    q = torch.randn(length, h, d).half()
+    k = torch.nn.functional.normalize(torch.randn(length, h, d), dim=-1).half()
+    v = torch.randn(length, h, d).half()
+    g, beta = -torch.rand(length, h) * 2, torch.rand(length, h)
+    initial = torch.randn(h, d, d) * 0.3
+    dev = tc_backend.device
+    states = initial.clone().unsqueeze(0).to(dev)
+    ours = tc_backend.ops.gated_delta_rule_chunk(
+        *(t.to(dev) for t in (q, k, v, g, beta)),
+        states,
+        cu_seqlens_of([length], dev),
+        torch.tensor([0], device=dev),
+        torch.tensor([True], device=dev),
+        use_qk_l2norm=False,
+        kernel="chunked",
+    ).cpu()
+    batched = [t.float().unsqueeze(0) for t in (q, k, v)]
+    for oracle in (naive.naive_chunk_gated_delta_rule, naive.naive_recurrent_gated_delta_rule):
+        theirs, final = oracle(
+            *batched, g=g[None], beta=beta[None], initial_state=initial[None].clone(), output_final_state=True
+        )
+        assert rel_err(ours, theirs[0]) < TOLERANCE[torch.float16], oracle.__name__
+        assert rel_err(states[0].cpu(), final[0]) < TOLERANCE[torch.float16], oracle.__name__
+
+
+def test_chunked_prefill_then_decode_equals_one_long_recurrence(tc_backend):
+    """Prefill chunks through the chunked kernel at odd boundaries (the state carried between calls through
+    the slot), then decode: the reference recurrence over every token, in f16."""
+    hk, hv, d, total = 1, 2, 16, 160
+    dev = tc_backend.device
+    q, k, v, g, beta, _, _, _, _ = make_inputs([total], hk, hv, d, d, torch.float16, dev)
+    states = torch.zeros(2, hv, d, d, device=dev)
+    slot = torch.tensor([1], dtype=torch.int32, device=dev)
+    pieces, start = [], 0
+    for n in (70, 9, 65):
+        cu = cu_seqlens_of([n], dev)
+        sl = slice(start, start + n)
+        initial = torch.tensor([start > 0], device=dev)
+        pieces.append(
+            tc_backend.ops.gated_delta_rule_chunk(
+                q[sl], k[sl], v[sl], g[sl], beta[sl], states, cu, slot, initial, kernel="chunked"
+            )
+        )
+        start += n
+    while start < total:
+        sl = slice(start, start + 1)
+        pieces.append(tc_backend.ops.gated_delta_rule_recurrent(q[sl], k[sl], v[sl], g[sl], beta[sl], states, slot))
+        start += 1
+    ref_states = torch.zeros(1, hv, d, d)
+    cpu = [t.cpu() for t in (q, k, v, g, beta)]
+    expected = torch.cat(
+        [
+            reference.gated_delta_rule_recurrent(*(x[t : t + 1] for x in cpu), ref_states, torch.tensor([0]))
+            for t in range(total)
+        ]
+    )
+    assert rel_err(torch.cat(pieces), expected) < TOLERANCE[torch.float16]
+    assert rel_err(states[1], ref_states[0]) < TOLERANCE[torch.float16]
+
+
+# Each compute capability's shared memory: (cc, dtype, the output pass's bytes at head dim 128: the whole head,
+# or half of it where 84 KB does not fit (sm_75's 64 KB)).
+ARCH_CASES = [(70, torch.float16, 84352), (75, torch.float16, 59776), (80, torch.bfloat16, 84352), (86, torch.float16, 84352),
+              (90, torch.bfloat16, 84352), (120, torch.float16, 84352)]
+
+
+@pytest.mark.parametrize("cc, dtype, output_bytes", ARCH_CASES)
+def test_chunked_fits_each_compute_capability(sim_ops, cc, dtype, output_bytes):
+    """clef-flash's head dim on each arch's shared memory per block (the simulator refuses a launch over the
+    limit, or above 48 KB without the opt-in): the tiles that fit, right."""
+    backend = Backend("sim", sim_ops, torch.device("cpu"))
+    with simulated(compute_capability=cc):
+        check_chunked(backend, [70], 1, 1, 128, dtype)
+        assert sim_ops._ops.launcher_device_calls()[2] == output_bytes  # the output pass, the last launch
+
+
+def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
+    """auto: chunked for f16 from sm_70 and bf16 from sm_80 once sequences average 32 tokens; serial for fp32,
+    short sequences, Pascal (no tensor cores), bf16 before sm_80 and head dims it is not compiled for. A forced
+    chunked kernel that cannot run says why."""
+    def dispatch(n, batch, dtype, d=128, kernel="auto"):
+        q = torch.zeros(n, 2, d, dtype=dtype)
+        v = torch.zeros(n, 4, d, dtype=dtype)
+        return sim_ops.gated_delta_rule_dispatch(q, v, cu_seqlens_of([n // batch] * batch), kernel)
+
+    assert dispatch(64, 2, torch.float16) == "chunked"
+    assert dispatch(62, 2, torch.float16) == "serial"  # 31 tokens a sequence
+    assert dispatch(64, 1, torch.float32) == "serial"
+    assert dispatch(64, 1, torch.float16, d=24) == "serial"
+    with pytest.raises(ValueError, match="f16 or bf16"):
+        dispatch(64, 1, torch.float32, kernel="chunked")
+    assert dispatch(2, 2, torch.float16, kernel="chunked") == "chunked"  # forced: short sequences run it too
+    for cc in (60, 61):
+        with simulated(compute_capability=cc):
+            assert dispatch(640, 1, torch.float16) == "serial"
+            with pytest.raises(ValueError, match="needs tensor cores"):
+                dispatch(640, 1, torch.float16, kernel="chunked")
+    with simulated(compute_capability=75):
+        assert dispatch(640, 1, torch.float16) == "chunked"
+        assert dispatch(640, 1, torch.bfloat16) == "serial"
+        with pytest.raises(ValueError, match="bf16 tensor cores need sm_80"):
+            dispatch(640, 1, torch.bfloat16, kernel="chunked")
+    with pytest.raises(ValueError, match="'auto', 'serial' or 'chunked'"):
+        dispatch(64, 1, torch.float16, kernel="wmma")
+
+
+def test_a_forced_cuda_kernel_on_cpu_tensors_is_refused():
+    from clef_cuda import ops
+
+    args = _good_args()
+    with pytest.raises(ValueError, match="picks a CUDA kernel"):
+        ops.gated_delta_rule_chunk(**args, kernel="chunked")
+    assert ops.gated_delta_rule_dispatch(args["q"], args["v"], args["cu_seqlens"]) == "cpu"
+
+
+# The test-only faults at the chunked kernel's CLEF_FAULT points: each is a bug the tests above must catch.
+CHUNKED_FAULTS = ["gdr_w_without_decay", "gdr_skip_causal_mask", "gdr_state_not_carried"]
+
+
+@pytest.mark.parametrize("fault", CHUNKED_FAULTS)
+def test_the_chunked_checks_catch_each_fault(sim_ops, fault):
+    """The check test_chunked_matches_reference makes fails with each fault on (two chunks, initial states):
+    W without its decay, the causal mask skipped in P, the state not carried from one chunk to the next."""
+    backend = Backend("sim", sim_ops, torch.device("cpu"))
+    check_chunked(backend, [65, 130], 1, 2, 16, torch.float16)  # passes without the fault
+    with simulated(fault=fault), pytest.raises(AssertionError):
+        check_chunked(backend, [65, 130], 1, 2, 16, torch.float16)

@@ -12,6 +12,13 @@
 namespace clef {
 
 constexpr int kDefaultSmemPerBlock = 48 * 1024;
+
+// What a launcher knows of the device it launches on (read once per device: csrc/common/device_launch.h).
+struct CudaDevice {
+  int cc = 0;               // compute capability, 70 = sm_70
+  int smem_limit = 0;       // the most shared memory one block may have (with the opt-in where there is one)
+  int multiprocessors = 0;  // SMs (cudaDevAttrMultiProcessorCount); 0 when unknown
+};
 // gridDim.y and gridDim.z on every arch (x goes to 2^31 - 1).
 constexpr int kMaxGridYZ = 65535;
 

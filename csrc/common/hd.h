@@ -92,11 +92,31 @@ CLEF_HD float rsqrt_f32(float x) {
 #endif
 }
 
+// x = m 2^e with m in [0.5, 1) (x = 0: m = e = 0), and m 2^e: how a power-of-two scale is picked and applied
+// exactly.
+CLEF_HD float frexp_f32(float x, int* e) {
+#if defined(CLEF_DEVICE_CODE)
+  return frexpf(x, e);
+#else
+  return std::frexp(x, e);
+#endif
+}
+
+CLEF_HD float ldexp_f32(float m, int e) {
+#if defined(CLEF_DEVICE_CODE)
+  return ldexpf(m, e);
+#else
+  return std::ldexp(m, e);
+#endif
+}
+
 CLEF_HD float silu_f32(float x) { return x / (1.0f + exp_f32(-x)); }
 
 CLEF_HD float max_f32(float a, float b) { return a > b ? a : b; }
 
 CLEF_HD int min_int(int a, int b) { return a < b ? a : b; }
+
+CLEF_HD int max_int(int a, int b) { return a > b ? a : b; }
 
 CLEF_HD int ceil_div(int a, int b) { return (a + b - 1) / b; }
 

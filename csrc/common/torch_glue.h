@@ -135,6 +135,16 @@ inline bool cuda_build() {
 #endif
 }
 
+// CPU tensors run the one CPU implementation (except under the CUDA simulator, which runs the CUDA
+// launcher on them): a forced CUDA kernel there would silently test nothing.
+inline bool runs_cuda_launcher(const at::Tensor& t) {
+#ifdef CLEF_CUDA_SIM
+  return t.is_cpu();
+#else
+  return t.is_cuda();
+#endif
+}
+
 // Runs the CUDA launcher for CUDA tensors and the CPU implementation for CPU tensors. Under the
 // test-only CUDA simulator (CLEF_CUDA_SIM) CPU tensors go through the CUDA launcher instead.
 template <typename CudaLaunch, typename CpuRun>

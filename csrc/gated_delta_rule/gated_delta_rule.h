@@ -14,11 +14,20 @@
 //   states [num_slots, Hv, Dk, Dv] fp32, contiguous, read through state_indices and written back
 //   out    [num_tokens, Hv, Dv]  contiguous, dtype of v
 // cu_seqlens == null is the recurrent (decode) mode: sequence b is the single token b.
+//
+// Two CUDA kernels run the chunk op (the dispatch rule below picks one; `kernel` forces one):
+//   serial   (gated_delta_rule_kernels.cuh): the recurrence token by token, SIMT, fp32 throughout. Every
+//            dtype, every arch; the reference beside the chunked kernel and the decode path.
+//   chunked  (gated_delta_rule_chunked.cuh): 64-token chunks in the WY form on tensor cores (f16 from sm_70,
+//            bf16 from sm_80), three passes over a workspace. Its math and roundings are described there.
 #pragma once
 
+#include "common/arch_limits.h"
 #include "common/hd.h"
 
 namespace clef {
+
+enum class GdrKernel : int { Auto = 0, Serial = 1, Chunked = 2 };
 
 struct GatedDeltaRuleParams {
   const void* q = nullptr;
@@ -41,6 +50,13 @@ struct GatedDeltaRuleParams {
   int num_slots = 0;
   float scale = 1.0f;
   bool l2norm_qk = true;
+  GdrKernel kernel = GdrKernel::Auto;  // the chunk op's request ("auto": the dispatch rule)
+  // The chunked kernel's workspace (gdr_chunked_workspace says what it holds) and its column splits, filled
+  // in by the host entry from gated_delta_rule_cuda_choice.
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+  int state_columns = 0;   // state columns per CTA of the state pass (16 or 32)
+  int output_columns = 0;  // output columns per pass of the output kernel (head_v_dim or half of it)
 };
 
 CLEF_HD PackedSeq gdr_sequence(const GatedDeltaRuleParams& p, int b) {
@@ -93,6 +109,212 @@ CLEF_HD GdrColumnStep<V> gdr_column_step(V sk, V sq, V v, float decay, float bet
   r.u = beta * (v - decay * sk);
   r.o = decay * sq + r.u * kq;
   return r;
+}
+
+// ---- the chunked kernel: chunks, workspace, shared memory, dispatch ---------------------------------
+constexpr int kGdrChunk = 64;        // tokens a chunk (the WY form's block)
+constexpr int kGdrChunkWarps = 4;    // each owns 16 of a chunk's rows
+constexpr int kGdrScratchLd = 20;    // a warp's fp32 16 x 16 staging tile, rows padded (16-byte multiple)
+// Below this many tokens a sequence on average, "auto" runs the token-serial kernel: the chunked one pays
+// three launches and a workspace per call, the serial one a barrier per token (the autotune measures the
+// crossing per device and bucket).
+constexpr int kGdrChunkedMinTokens = 32;
+
+CLEF_HD int gdr_num_chunks(int len) { return (len + kGdrChunk - 1) / kGdrChunk; }
+
+// A pack has at most this many chunks (each sequence adds at most one partial chunk): the grid of the
+// per-chunk passes and the rows of the workspace's per-chunk states, known without reading cu_seqlens.
+CLEF_HD int64_t gdr_max_chunks(int64_t num_tokens, int batch) { return (num_tokens + kGdrChunk - 1) / kGdrChunk + batch; }
+
+// Chunks are numbered through the pack: sequence b's chunks follow sequence b-1's.
+CLEF_HD int gdr_first_chunk(const GatedDeltaRuleParams& p, int b) {
+  int first = 0;
+  for (int i = 0; i < b; ++i) first += gdr_num_chunks(gdr_sequence(p, i).len);
+  return first;
+}
+
+struct GdrChunkRef {
+  bool valid;      // false: past the pack's last chunk (the CTA has nothing to do)
+  int b;           // the sequence
+  int64_t start;   // its first token
+  int len;         // its tokens, 1..64
+};
+
+CLEF_HD GdrChunkRef gdr_find_chunk(const GatedDeltaRuleParams& p, int chunk) {
+  int first = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const PackedSeq s = gdr_sequence(p, b);
+    const int chunks = gdr_num_chunks(s.len);
+    if (chunk < first + chunks) {
+      const int c = chunk - first;
+      return GdrChunkRef{true, b, s.start + static_cast<int64_t>(c) * kGdrChunk, min_int(kGdrChunk, s.len - c * kGdrChunk)};
+    }
+    first += chunks;
+  }
+  return GdrChunkRef{false, 0, 0, 0};
+}
+
+// The workspace, byte offsets from its (256-byte aligned) base. Per token and value head: the in-chunk
+// cumulative log decay G (fp32) and the rows of W and U (then v_new, written over U) in the activation dtype;
+// per chunk and value head: the state at the chunk's start, scaled by a power of two per 16 columns and
+// rounded to the activation dtype (h), and those scales.
+struct GdrChunkedWorkspace {
+  int64_t gcum, w, u, h, h_scale, bytes;
+  int64_t max_chunks;
+};
+CLEF_HD int64_t gdr_align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+CLEF_HD GdrChunkedWorkspace gdr_chunked_workspace(int64_t num_tokens, int batch, int num_v_heads, int head_dim,
+                                                  int elem_bytes) {
+  GdrChunkedWorkspace w;
+  w.max_chunks = gdr_max_chunks(num_tokens, batch);
+  const int64_t rows = num_tokens * num_v_heads;
+  w.gcum = 0;
+  w.w = gdr_align256(rows * 4);
+  w.u = w.w + gdr_align256(rows * head_dim * elem_bytes);
+  w.h = w.u + gdr_align256(rows * head_dim * elem_bytes);
+  w.h_scale = w.h + gdr_align256(w.max_chunks * num_v_heads * head_dim * head_dim * elem_bytes);
+  w.bytes = w.h_scale + gdr_align256(w.max_chunks * num_v_heads * (head_dim / 16) * 4);
+  return w;
+}
+
+// Shared-memory layouts (bytes from a 128-byte aligned base). 2-byte tiles have rows padded by 8 elements
+// (16 bytes: rows fall on different banks, and every 16-row fragment stays 32-byte aligned).
+CLEF_HD constexpr int gdr_round128(int bytes) { return (bytes + 127) / 128 * 128; }
+CLEF_HD constexpr int gdr_row_tile_bytes(int rows, int columns) { return gdr_round128(rows * (columns + 8) * 2); }
+constexpr int kGdrSystemLd = kGdrChunk + 8;  // fp32 [64][72] systems; also their 2-byte successors
+constexpr int kGdrSystemBytes = kGdrChunk * kGdrSystemLd * 4;
+constexpr int kGdrScratchBytes = kGdrChunkWarps * 16 * kGdrScratchLd * 4;
+
+// Pass 1 (gdr_chunk_prepare_kernel): the chunk's keys; the system A in fp32, later T diag(beta e^G) and
+// T diag(beta) in the activation dtype; its inverse T in fp32, later the chunk's values; the warps' staging
+// tiles; G and beta.
+struct GdrPrepareLayout {
+  int keys, system, inverse, scratch, gates, bytes;
+};
+CLEF_HD constexpr GdrPrepareLayout gdr_prepare_layout(int d) {
+  GdrPrepareLayout l{};
+  l.keys = 0;
+  l.system = l.keys + gdr_row_tile_bytes(kGdrChunk, d);
+  l.inverse = l.system + kGdrSystemBytes;
+  const int values = gdr_row_tile_bytes(kGdrChunk, d);
+  l.scratch = l.inverse + (values > kGdrSystemBytes ? values : kGdrSystemBytes);
+  l.gates = l.scratch + kGdrScratchBytes;
+  l.bytes = l.gates + 2 * kGdrChunk * 4;
+  return l;
+}
+
+// Pass 2 (gdr_chunk_state_kernel, BV state columns): W and the keys of a chunk, the state rounded for the
+// products, the chunk's U columns, the decayed v_new columns, staging, G and the scale's reduction.
+struct GdrStateLayout {
+  int w, keys, state, u, decayed, scratch, gates, reduce, bytes;
+};
+CLEF_HD constexpr GdrStateLayout gdr_state_layout(int d, int bv) {
+  GdrStateLayout l{};
+  l.w = 0;
+  l.keys = l.w + gdr_row_tile_bytes(kGdrChunk, d);
+  l.state = l.keys + gdr_row_tile_bytes(kGdrChunk, d);
+  l.u = l.state + gdr_row_tile_bytes(d, bv);
+  l.decayed = l.u + gdr_row_tile_bytes(kGdrChunk, bv);
+  l.scratch = l.decayed + gdr_row_tile_bytes(kGdrChunk, bv);
+  l.gates = l.scratch + kGdrScratchBytes;
+  l.reduce = l.gates + kGdrChunk * 4;
+  l.bytes = l.reduce + 128;
+  return l;
+}
+
+// Pass 3 (gdr_chunk_output_kernel, OC output columns at a time): the chunk's queries; its keys, later the
+// state's OC columns; the masked, decayed scores P; v_new's OC columns; staging, G and the state's scales.
+struct GdrOutputLayout {
+  int queries, keys_or_state, scores, values, scratch, gates, bytes;
+};
+CLEF_HD constexpr GdrOutputLayout gdr_output_layout(int d, int oc) {
+  GdrOutputLayout l{};
+  l.queries = 0;
+  l.keys_or_state = l.queries + gdr_row_tile_bytes(kGdrChunk, d);
+  const int keys = gdr_row_tile_bytes(kGdrChunk, d), state = gdr_row_tile_bytes(d, oc);
+  l.scores = l.keys_or_state + (keys > state ? keys : state);
+  l.values = l.scores + gdr_row_tile_bytes(kGdrChunk, kGdrChunk);
+  l.scratch = l.values + gdr_row_tile_bytes(kGdrChunk, oc);
+  l.gates = l.scratch + kGdrScratchBytes;
+  l.bytes = l.gates + kGdrChunk * 4 + gdr_round128(d / 16 * 4);
+  return l;
+}
+
+CLEF_HD bool gdr_chunked_head_dim(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
+
+// The output kernel's column pass: the whole head where it fits the device, else half of it (sm_75's 64 KB
+// at head dim 128); 0 when neither fits.
+CLEF_HD int gdr_output_columns(int d, int smem_limit) {
+  if (gdr_output_layout(d, d).bytes <= smem_limit) return d;
+  if (d >= 32 && gdr_output_layout(d, d / 2).bytes <= smem_limit) return d / 2;
+  return 0;
+}
+
+// The state pass's columns per CTA: 32 when that gives every SM a CTA, else 16 (twice the CTAs: clef-flash's
+// one record is 32 heads x 128 / 32 = 128 CTAs, short of an H200's 132 SMs, so 256 of 16). 0: none fits.
+CLEF_HD int gdr_state_columns(int d, int num_v_heads, int batch, CudaDevice device) {
+  const bool wide_fits = d >= 32 && gdr_state_layout(d, 32).bytes <= device.smem_limit;
+  const int64_t wide_ctas = static_cast<int64_t>(d / 32) * num_v_heads * batch;
+  if (wide_fits && wide_ctas >= device.multiprocessors) return 32;
+  return gdr_state_layout(d, 16).bytes <= device.smem_limit ? 16 : (wide_fits ? 32 : 0);
+}
+
+// Why the chunked kernel cannot run `p` on `device`, or nullptr when it can.
+CLEF_HD const char* gdr_chunked_unsupported(const GatedDeltaRuleParams& p, ScalarKind kind, CudaDevice device) {
+  if (p.cu_seqlens == nullptr) return "the chunked kernel runs the chunk op only (decode runs the serial kernel)";
+  if (kind == ScalarKind::F32) return "the chunked kernel takes f16 or bf16 (tensor cores); fp32 runs the serial kernel";
+  if (device.cc < 70) return "the chunked kernel needs tensor cores (sm_70 and newer)";
+  if (kind == ScalarKind::BF16 && device.cc < 80) return "the chunked kernel's bf16 tensor cores need sm_80 or newer";
+  if (p.head_k_dim != p.head_v_dim || !gdr_chunked_head_dim(p.head_k_dim))
+    return "the chunked kernel is compiled for head_k_dim == head_v_dim in {16, 32, 64, 128}";
+  if (p.num_v_heads > kMaxGridYZ) return "the chunked kernel takes at most 65,535 value heads (grid.y)";
+  if (p.batch > kMaxGridYZ) return "the chunked kernel takes at most 65,535 sequences a call (grid.z)";
+  const int d = p.head_k_dim;
+  if (gdr_prepare_layout(d).bytes > device.smem_limit || gdr_output_columns(d, device.smem_limit) == 0 ||
+      gdr_state_columns(d, p.num_v_heads, p.batch, device) == 0)
+    return "the chunked kernel's tiles do not fit the device's shared memory per block";
+  return nullptr;
+}
+
+struct GdrChoice {
+  GdrKernel kernel;
+  const char* error;  // a forced kernel that cannot run these params: why
+  int64_t workspace_bytes = 0;
+  int state_columns = 0;
+  int output_columns = 0;
+};
+
+// The dispatch rule: the chunked kernel where it can run and sequences average kGdrChunkedMinTokens tokens or
+// more; the serial kernel otherwise (decode, fp32, Pascal, bf16 before sm_80, other head dims).
+CLEF_HD GdrChoice gdr_choose(const GatedDeltaRuleParams& p, ScalarKind kind, CudaDevice device) {
+  const char* why_not = gdr_chunked_unsupported(p, kind, device);
+  GdrChoice choice{GdrKernel::Serial, nullptr};
+  if (p.kernel == GdrKernel::Chunked) {
+    choice.kernel = GdrKernel::Chunked;
+    choice.error = why_not;
+  } else if (p.kernel == GdrKernel::Auto && why_not == nullptr) {
+    choice.kernel = p.num_tokens >= static_cast<int64_t>(kGdrChunkedMinTokens) * p.batch ? GdrKernel::Chunked
+                                                                                          : GdrKernel::Serial;
+  }
+  if (choice.kernel == GdrKernel::Chunked && choice.error == nullptr) {
+    const int d = p.head_k_dim;
+    const int elem_bytes = kind == ScalarKind::F32 ? 4 : 2;
+    choice.workspace_bytes = gdr_chunked_workspace(p.num_tokens, p.batch, p.num_v_heads, d, elem_bytes).bytes;
+    choice.state_columns = gdr_state_columns(d, p.num_v_heads, p.batch, device);
+    choice.output_columns = gdr_output_columns(d, device.smem_limit);
+  }
+  return choice;
+}
+
+// A power of two s with s * max_abs in [2^14, 2^15): the state is scaled by it before it is rounded to the
+// activation dtype for the tensor cores, so that f16's range (65,504) holds it at full precision however
+// large or small it has grown (bf16 has fp32's range; the scale is exact either way). 1 for a zero state.
+CLEF_HD float gdr_state_scale(float max_abs) {
+  if (!(max_abs > 0.0f)) return 1.0f;
+  int e = 0;
+  frexp_f32(max_abs, &e);  // max_abs < 2^e
+  const int shift = 15 - e;
+  return ldexp_f32(1.0f, shift < -100 ? -100 : (shift > 100 ? 100 : shift));
 }
 
 }  // namespace clef

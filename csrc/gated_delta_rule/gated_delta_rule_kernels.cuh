@@ -1,6 +1,7 @@
-// CUDA kernel for the gated delta rule (device code only; see conv1d_kernels.cuh for who compiles it).
+// CUDA kernels for the gated delta rule (device code only; see conv1d_kernels.cuh for who compiles it): the
+// token-serial kernel here, the chunked tensor-core one in gated_delta_rule_chunked.cuh (included below).
 //
-// One CTA owns (sequence, value head, block of BV state columns) and walks the sequence's tokens in
+// Serial: one CTA owns (sequence, value head, block of BV state columns) and walks the sequence's tokens in
 // order. Thread (rg, j) keeps rows [rg*R, rg*R + R) of column j of the fp32 state in registers; per
 // token the RG row groups' partial dot products meet in shared memory (double-buffered, one barrier
 // per token). The same kernel serves prefill chunks (cu_seqlens) and decode (one token per sequence).
@@ -135,3 +136,5 @@ __global__ void __launch_bounds__(kGdrThreads, 1) gated_delta_rule_kernel(GatedD
 }
 
 }  // namespace clef
+
+#include "gated_delta_rule/gated_delta_rule_chunked.cuh"  // the chunked kernel's three passes

@@ -1,4 +1,9 @@
 // Host entries of the gated delta rule family: check every argument, fill the params, dispatch.
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <string>
+
 #include "common/torch_glue.h"
 #include "gated_delta_rule/gated_delta_rule_launch.h"
 #include "ops.h"
@@ -88,18 +93,95 @@ void run_gdr(const char* op, const GatedDeltaRuleParams& p, const at::Tensor& q)
       [&] { gated_delta_rule_cpu(p, kind); });
 }
 
+GdrKernel parse_gdr_kernel(c10::string_view kernel, const char* op) {
+  if (kernel == "auto") return GdrKernel::Auto;
+  if (kernel == "serial") return GdrKernel::Serial;
+  if (kernel == "chunked") return GdrKernel::Chunked;
+  TORCH_CHECK_VALUE(false, op, ": kernel must be 'auto', 'serial' or 'chunked', got '", std::string(kernel), "'");
+  return GdrKernel::Auto;  // not reached
+}
+
+const char* gdr_kernel_name(GdrKernel kernel) {
+  switch (kernel) {
+    case GdrKernel::Auto: return "auto";
+    case GdrKernel::Serial: return "serial";
+    case GdrKernel::Chunked: return "chunked";
+  }
+  return "?";
+}
+
+// The kernel the CUDA launcher will run for p on q's device; a forced one that cannot run p raises ValueError
+// saying why (before any launch).
+GdrChoice checked_cuda_choice(const GatedDeltaRuleParams& p, const at::Tensor& q, const char* op) {
+#if defined(CLEF_WITH_CUDA) || defined(CLEF_CUDA_SIM)
+#ifdef CLEF_WITH_CUDA
+  c10::cuda::CUDAGuard guard(q.device());
+#endif
+  const GdrChoice choice = gated_delta_rule_cuda_choice(p, activation_kind(q, op, "q"));
+  TORCH_CHECK_VALUE(choice.error == nullptr, op, ": kernel='", gdr_kernel_name(choice.kernel),
+                    "' cannot run these arguments: ", choice.error);
+  return choice;
+#else
+  (void)p;
+  TORCH_CHECK(false, op, ": clef_cuda._C was built without CUDA kernels, so ", q.device(),
+              " tensors cannot run; rebuild it with a CUDA toolchain (README)");
+  return GdrChoice{GdrKernel::Serial, nullptr};  // not reached
+#endif
+}
+
 }  // namespace
 
 void gated_delta_rule_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, at::Tensor& states, const at::Tensor& cu_seqlens,
                             const at::Tensor& state_indices, const at::Tensor& has_initial_state, double scale,
-                            bool use_qk_l2norm, at::Tensor& out) {
+                            bool use_qk_l2norm, at::Tensor& out, c10::string_view kernel) {
   const char* op = "gated_delta_rule_chunk";
   GatedDeltaRuleParams p = gdr_params(op, q, k, v, g, beta, states, state_indices, scale, use_qk_l2norm, out);
   check_pack(cu_seqlens, has_initial_state, state_indices.size(0), q.size(0), q, op);
   p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
   p.has_initial_state = has_initial_state.data_ptr<bool>();
+  p.kernel = parse_gdr_kernel(kernel, op);
+  TORCH_CHECK_VALUE(p.kernel == GdrKernel::Auto || runs_cuda_launcher(q), op, ": kernel='", std::string(kernel),
+                    "' picks a CUDA kernel, but ", q.device(), " tensors run the CPU implementation (pass kernel='auto')");
+  // The chunked kernel's workspace, allocated here so the launcher stays torch-free. Freed when this returns:
+  // the caching allocator hands it out again only to work queued after the kernels on this stream.
+  at::Tensor workspace;
+  if (runs_cuda_launcher(q) && p.batch > 0 && p.num_v_heads > 0) {
+    const GdrChoice choice = checked_cuda_choice(p, q, op);
+    if (choice.kernel == GdrKernel::Chunked) {
+      workspace = at::empty({choice.workspace_bytes}, q.options().dtype(at::kByte));
+      p.workspace = workspace.data_ptr();
+      p.workspace_bytes = choice.workspace_bytes;
+      p.state_columns = choice.state_columns;
+      p.output_columns = choice.output_columns;
+    }
+  }
   run_gdr(op, p, q);
+}
+
+std::string gated_delta_rule_dispatch(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                      c10::string_view kernel) {
+  const char* op = "gated_delta_rule_dispatch";
+  check_dim(q, 3, op, "q", "[num_tokens, num_k_heads, head_k_dim]");
+  check_dim(v, 3, op, "v", "[num_tokens, num_v_heads, head_v_dim]");
+  check_dim(cu_seqlens, 1, op, "cu_seqlens", "[batch + 1]");
+  check_dtype(cu_seqlens, at::kInt, op, "cu_seqlens");
+  activation_kind(q, op, "q");
+  GatedDeltaRuleParams p;
+  p.num_tokens = q.size(0);
+  p.batch = checked_int32(std::max<int64_t>(cu_seqlens.size(0) - 1, 0), op, "batch");
+  p.num_k_heads = checked_int32(q.size(1), op, "num_k_heads");
+  p.num_v_heads = checked_int32(v.size(1), op, "num_v_heads");
+  p.head_k_dim = checked_int32(q.size(2), op, "head_k_dim");
+  p.head_v_dim = checked_int32(v.size(2), op, "head_v_dim");
+  p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();  // the rule asks only whether there is one, never reads it
+  p.kernel = parse_gdr_kernel(kernel, op);
+  if (!runs_cuda_launcher(q)) {
+    TORCH_CHECK_VALUE(p.kernel == GdrKernel::Auto, op, ": kernel='", std::string(kernel), "' picks a CUDA kernel, but ",
+                      q.device(), " tensors run the CPU implementation");
+    return "cpu";
+  }
+  return gdr_kernel_name(checked_cuda_choice(p, q, op).kernel);
 }
 
 void gated_delta_rule_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

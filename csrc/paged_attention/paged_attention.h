@@ -242,11 +242,7 @@ CLEF_HD int paged_attention_wmma_keys(int head_dim, int smem_limit) {
 }
 
 // What the launcher needs to know of the device.
-struct AttentionDevice {
-  int cc = 0;          // compute capability, 70 = sm_70
-  int smem_limit = 0;  // the most shared memory one block may have (with the opt-in where there is one)
-  int multiprocessors = 0;  // SMs (cudaDevAttrMultiProcessorCount); 0 when unknown: never split
-};
+using AttentionDevice = CudaDevice;  // multiprocessors 0 (unknown): v2 never splits
 
 // Why a tensor-core kernel cannot run this call on `device`, or nullptr when it can; `tile_keys` is the key
 // tile of that kernel the device's shared memory holds (0: none). Both stage K/V tiles in the cache dtype

@@ -18,11 +18,8 @@
 #pragma once
 
 #include "common/cuda_utils.cuh"
+#include "common/wmma_utils.cuh"
 #include "paged_attention/paged_attention.h"
-
-#if !defined(CLEF_CUDA_SIM)
-#include <mma.h>  // the CUDA simulator brings its own nvcuda::wmma (tests/cuda_sim/wmma_sim.h)
-#endif
 
 namespace clef {
 
@@ -171,23 +168,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) paged_attention_kernel(PagedA
 }
 
 // ---- tensor cores ------------------------------------------------------------------------------
-// WMMA exists from sm_70 and its bf16 fragments from sm_80; below them the kernel compiles to a trap that
-// the launcher never reaches (paged_attention_wmma_unsupported keeps those devices on the SIMT kernel).
-// The host pass (no __CUDA_ARCH__) sees everything, to launch it.
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
-#define CLEF_WMMA_ARCH 1
-#endif
-template <typename T>
-struct WmmaCompiled {
-  static constexpr bool value = true;
-};
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-template <>
-struct WmmaCompiled<__nv_bfloat16> {
-  static constexpr bool value = false;
-};
-#endif
-
+// (CLEF_WMMA_ARCH and WmmaCompiled: common/wmma_utils.cuh.)
 #if defined(CLEF_WMMA_ARCH)
 
 // Query tiles are handed out last first: CTAs start roughly in index order, and under the causal mask a

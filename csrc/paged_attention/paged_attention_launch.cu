@@ -1,24 +1,9 @@
 // Host-side launchers for the paged KV cache kernels. Torch-free on purpose.
-#include <cstdlib>
-#include <map>
-#include <mutex>
-#include <utility>
-
+#include "common/device_launch.cuh"
 #include "paged_attention/paged_attention_kernels.cuh"
 #include "paged_attention/paged_attention_launch.h"
 
-// The simulator bumps this whenever a test changes the simulated device, so the cached attributes below
-// are read again; a real device's never change while the process runs.
-#ifndef CLEF_DEVICE_GENERATION
-#define CLEF_DEVICE_GENERATION() 0
-#endif
-
 namespace clef {
-
-static const char* last_error() {
-  cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
 
 // grid.y and grid.z above 65,535 fail to launch on every arch; say which dimension and why first.
 static const char* grid_error(unsigned y, unsigned z) {
@@ -33,7 +18,7 @@ static const char* launch_cache_write(const CacheWriteParams& p, cudaStream_t st
   if (p.num_tokens == 0) return nullptr;
   auto* kernel = &reshape_and_cache_kernel<T>;
   CLEF_LAUNCH(kernel, static_cast<unsigned>(p.num_tokens), kCacheWriteThreads, 0, stream)(p);
-  return last_error();
+  return launch_error();
 }
 
 const char* reshape_and_cache_cuda(const CacheWriteParams& p, ScalarKind kind, void* stream_ptr) {
@@ -44,36 +29,6 @@ const char* reshape_and_cache_cuda(const CacheWriteParams& p, ScalarKind kind, v
     case ScalarKind::BF16: return launch_cache_write<__nv_bfloat16>(p, stream);
   }
   return "reshape_and_cache: unknown dtype";
-}
-
-// The device the calling thread runs on: its ordinal, or -1 when it cannot be read.
-static int current_ordinal() {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
-  }
-  return device;
-}
-
-// Above the 48 KB default a kernel must opt in to its dynamic shared memory (cudaFuncSetAttribute). The
-// attribute belongs to the kernel on one device and holds for the process, so it is set once per
-// (kernel, device), not on every call.
-template <typename Kernel>
-static const char* opt_in(Kernel* kernel, int smem) {
-  if (smem <= kDefaultSmemBytes) return nullptr;
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, std::pair<int, int>> opted;  // -> (generation, bytes)
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), current_ordinal()};
-  const int generation = CLEF_DEVICE_GENERATION();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = opted.find(key);
-  if (key.second >= 0 && found != opted.end() && found->second.first == generation && found->second.second >= smem)
-    return nullptr;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return cudaGetErrorString(err);
-  if (key.second >= 0) opted[key] = {generation, smem};
-  return nullptr;
 }
 
 template <typename T, int D, int KEYS>
@@ -87,7 +42,7 @@ static const char* launch_attention(const PagedAttentionParams& p, cudaStream_t 
   if (const char* err = grid_error(p.num_kv_heads, p.batch)) return err;
   if (const char* err = opt_in(kernel, smem)) return err;
   CLEF_LAUNCH(kernel, dim3(q_tiles, p.num_kv_heads, p.batch), kAttnThreads, smem, stream)(p);
-  return last_error();
+  return launch_error();
 }
 
 // The SIMT kernel with the largest key tile the device's shared memory holds.
@@ -120,7 +75,7 @@ static const char* launch_attention_wmma(const PagedAttentionParams& p, cudaStre
   if (const char* err = grid_error(p.num_kv_heads, p.batch)) return err;
   if (const char* err = opt_in(kernel, smem)) return err;
   CLEF_LAUNCH(kernel, dim3(q_tiles, p.num_kv_heads, p.batch), kWmmaThreads, smem, stream)(p);
-  return last_error();
+  return launch_error();
 }
 
 // The tensor-core kernel with the largest key tile the device's shared memory holds.
@@ -149,12 +104,12 @@ static const char* launch_attention_wmma2(const PagedAttentionParams& p, cudaStr
   if (const char* err = grid_error(p.num_kv_heads, static_cast<unsigned>(p.batch) * parts)) return err;
   if (const char* err = opt_in(kernel, smem)) return err;
   CLEF_LAUNCH(kernel, dim3(q_tiles, p.num_kv_heads, p.batch * parts), kWmma2Threads, smem, stream)(p);
-  if (p.splits == 1) return last_error();
-  if (const char* err = last_error()) return err;
+  if (p.splits == 1) return launch_error();
+  if (const char* err = launch_error()) return err;
   const int combine_smem = kWmmaRows * p.splits * static_cast<int>(sizeof(float));
   auto* combine = &paged_attention_split_combine_kernel<T>;
   CLEF_LAUNCH(combine, dim3(q_tiles, p.num_kv_heads, p.batch), kSplitCombineThreads, combine_smem, stream)(p, KEYS);
-  return last_error();
+  return launch_error();
 }
 
 // v2 with the largest key tile the device's shared memory holds.
@@ -176,51 +131,6 @@ static const char* launch_wmma2_for_head_dim(const PagedAttentionParams& p, Atte
     case 256016: return launch_attention_wmma2<T, 256, 16>(p, stream);
   }
   return "the tensor-core kernel v2 is compiled for head dims 64, 128 and 256 (within the device's shared memory)";
-}
-
-// Test-only: CLEF_SMEM_LIMIT=<bytes> caps the shared memory a block may have below the device's own, so a
-// large GPU runs the tiles of a smaller card (65536: a T4's; 49152: Pascal's, no opt-in). Read on every
-// call (a getenv), so a test can change it between calls; unset or unparsable: no cap.
-static int smem_limit_cap() {
-  const char* text = std::getenv("CLEF_SMEM_LIMIT");
-  if (text == nullptr || *text == 0) return 0;
-  char* end = nullptr;
-  const long value = std::strtol(text, &end, 10);
-  return end != nullptr && *end == 0 && value > 0 && value < (1L << 30) ? static_cast<int>(value) : 0;
-}
-
-// The device's compute capability, per-block shared memory and SM count, read once per device (four
-// attribute queries; zeros, i.e. the SIMT kernel, the 48 KB default and no split, when they cannot be
-// read), then capped by CLEF_SMEM_LIMIT.
-static AttentionDevice query_device(int device) {
-  int major = 0, minor = 0, optin = 0, sms = 0;
-  if (device < 0 || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();  // clear it: the SIMT kernel is the safe answer
-    return AttentionDevice{0, kDefaultSmemBytes, 0};
-  }
-  return AttentionDevice{10 * major + minor, optin > kDefaultSmemBytes ? optin : kDefaultSmemBytes, sms};
-}
-
-static AttentionDevice current_device() {
-  constexpr int kMaxDevices = 64;
-  static std::mutex mutex;
-  static std::pair<int, AttentionDevice> cached[kMaxDevices];  // (generation + 1, attributes); 0: not read
-  const int ordinal = current_ordinal();
-  AttentionDevice device;
-  if (ordinal < 0 || ordinal >= kMaxDevices) {
-    device = query_device(ordinal);
-  } else {
-    const int generation = CLEF_DEVICE_GENERATION() + 1;
-    std::lock_guard<std::mutex> lock(mutex);
-    if (cached[ordinal].first != generation) cached[ordinal] = {generation, query_device(ordinal)};
-    device = cached[ordinal].second;
-  }
-  const int cap = smem_limit_cap();
-  if (cap > 0 && cap < device.smem_limit) device.smem_limit = cap;
-  return device;
 }
 
 static AttentionChoice choose(const PagedAttentionParams& p, ScalarKind kind, AttentionDevice device) {

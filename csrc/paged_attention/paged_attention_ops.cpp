@@ -121,16 +121,6 @@ const char* kernel_name(AttentionKernel kernel) {
   return "?";
 }
 
-// CPU tensors run the one CPU implementation (except under the CUDA simulator, which runs the CUDA
-// launcher on them): a forced CUDA kernel there would silently test nothing.
-bool runs_cuda_launcher(const at::Tensor& query) {
-#ifdef CLEF_CUDA_SIM
-  return query.is_cpu();
-#else
-  return query.is_cuda();
-#endif
-}
-
 // Checks every argument but `out` and fills the params (out, scale and kernel are the caller's).
 PagedAttentionParams attention_params(const at::Tensor& query, const at::Tensor& key_cache,
                                       const at::Tensor& value_cache, const at::Tensor& cu_seqlens_q,

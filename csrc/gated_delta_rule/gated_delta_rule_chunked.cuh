@@ -1,0 +1,548 @@
+// The chunked gated delta rule on tensor cores (device code only; see conv1d_kernels.cuh for who compiles it).
+//
+// Per sequence and value head, tokens in chunks of C = 64 with in-chunk cumulative log decay G_t (fp32), gates
+// Gamma[t, s] = e^(G_t - G_s), normalised keys K and queries Q (scale folded in), and the state S [Dk, Dv]
+// at the chunk's start (fp32). The chunk's deltas u_t = beta_t (v_t - (e^(G_t) S + the chunk's earlier
+// updates)^T k_t) solve a unit lower-triangular system (the WY / UT form):
+//   A = strictly-lower(diag(beta) (Gamma (.) K K^T)),   T = (I + A)^-1,
+//   W = T diag(beta e^G) K,   U = T diag(beta) V,   v_new = U - W S,
+//   o = diag(e^G) Q S + (Q K^T (.) Gamma (.) causal) v_new,
+//   S <- e^(G_last) S + K^T diag(e^(G_last - G)) v_new.
+// Three passes, each its own kernel:
+//   1. gdr_chunk_prepare_kernel, a CTA per (chunk, value head), all in parallel: G, A, T, W and U;
+//   2. gdr_chunk_state_kernel, a CTA per (sequence, value head, BV state columns), chunk after chunk: writes
+//      the state at each chunk's start (h) and v_new, and carries S in fp32 accumulator fragments;
+//   3. gdr_chunk_output_kernel, a CTA per (chunk, value head), all in parallel: o.
+// Every product runs on nvcuda::wmma (m16n16k16, f16 from sm_70, bf16 from sm_80, fp32 accumulators); T
+// is inverted by blocked forward substitution in fp32 (four 16 x 16 diagonal blocks by substitution, then
+// the off-diagonal blocks T_ij = -T_ii sum_{m=j}^{i-1} A_im T_mj by block distance).
+//
+// Where values are rounded to the activation dtype (f16 unit roundoff 2^-11, bf16 2^-8), each once, from fp32:
+//   - K and Q after their L2 normalisation (|k| = 1, |q| = scale): so raw keys whose K K^T would overflow
+//     f16 are never multiplied unnormalised; the sums of squares are fp32;
+//   - T diag(beta e^G) and T diag(beta), the operands of W and U (T itself is fp32);
+//   - W and U (then v_new) in the workspace, between passes;
+//   - S times a power-of-two scale for the products W S and Q S (gdr_state_scale: its largest element in
+//     [2^14, 2^15), inside f16's range at full precision; exact to undo). S itself never leaves fp32;
+//   - v_new decayed to the chunk's end, the operand of the state update (from the fp32 v_new, not the rounded one);
+//   - P = Q K^T (.) Gamma (.) causal, the operand of P v_new;
+//   - o, once, as the serial kernel does.
+// G, Gamma, e^G, the system, its inverse, the state and every accumulation stay fp32. Rows past a sequence's
+// last token are zeros with beta = 0 (their rows of T are the identity's, their W, U, v_new rows zero) and
+// are never written out.
+//
+// Threads: 4 warps a CTA. Warp w owns rows 16w..16w+15 of a chunk (in pass 2 also every fourth tile of S).
+// A product tile's elements are read back through the warp's own fp32 staging tile in shared memory (the
+// element-to-lane mapping of a fragment is unspecified): lane l takes row l / 2, columns 8 (l % 2) .. + 7.
+#pragma once
+
+#include "common/cuda_utils.cuh"
+#include "common/wmma_utils.cuh"
+#include "gated_delta_rule/gated_delta_rule.h"
+
+namespace clef {
+
+constexpr int kGdrChunkThreads = 32 * kGdrChunkWarps;
+
+#if defined(CLEF_WMMA_ARCH)
+
+namespace gdr_chunked {
+
+namespace wmma = nvcuda::wmma;
+using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+template <typename T>
+using RowA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
+template <typename T>
+using ColA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major>;
+template <typename T>
+using RowB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
+template <typename T>
+using ColB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
+
+// acc += A B over `steps` 16-deep slices: A's 16 rows at `a` (row-major, lda), B's 16 columns at `b`
+// (row-major, ldb: its rows are the depth).
+template <typename T>
+__device__ __forceinline__ void mma_ab(Accumulator& acc, const T* a, int lda, const T* b, int ldb, int steps) {
+  for (int k = 0; k < steps; ++k) {
+    RowA<T> af;
+    RowB<T> bf;
+    wmma::load_matrix_sync(af, a + 16 * k, lda);
+    wmma::load_matrix_sync(bf, b + 16 * k * ldb, ldb);
+    wmma::mma_sync(acc, af, bf, acc);
+  }
+}
+
+// acc += A B^T: B's 16 rows at `b` (row-major, ldb), read column-major as B^T.
+template <typename T>
+__device__ __forceinline__ void mma_abt(Accumulator& acc, const T* a, int lda, const T* b, int ldb, int steps) {
+  for (int k = 0; k < steps; ++k) {
+    RowA<T> af;
+    ColB<T> bf;
+    wmma::load_matrix_sync(af, a + 16 * k, lda);
+    wmma::load_matrix_sync(bf, b + 16 * k, ldb);
+    wmma::mma_sync(acc, af, bf, acc);
+  }
+}
+
+// acc += A^T B: A's depth rows at `a` (row-major, lda) read column-major as A^T (16 of its columns), B row-major.
+template <typename T>
+__device__ __forceinline__ void mma_atb(Accumulator& acc, const T* a, int lda, const T* b, int ldb, int steps) {
+  for (int k = 0; k < steps; ++k) {
+    ColA<T> af;
+    RowB<T> bf;
+    wmma::load_matrix_sync(af, a + 16 * k * lda, lda);
+    wmma::load_matrix_sync(bf, b + 16 * k * ldb, ldb);
+    wmma::mma_sync(acc, af, bf, acc);
+  }
+}
+
+// The accumulator tile into the warp's staging tile; the lanes may read it when this returns.
+__device__ __forceinline__ void stage(float* scratch, const Accumulator& acc) {
+  __syncwarp();  // the previous use of the staging tile is over
+  wmma::store_matrix_sync(scratch, acc, kGdrScratchLd, wmma::mem_row_major);
+  __syncwarp();
+}
+
+// Rows r < n of q or k (rows `token_stride` apart from `src`: one key head of the pack's first chunk token),
+// L2-normalised (when l2norm) and times `factor` in fp32, rounded once to T into dst [64][LD]; rows >= n zeros.
+// A warp per row.
+template <typename T, int D, int LD>
+__device__ __forceinline__ void stage_normalized_rows(T* dst, const T* src, int64_t token_stride, int n, bool l2norm,
+                                                      float factor) {
+  constexpr int PER_LANE = (D + 31) / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < kGdrChunk; r += kGdrChunkWarps) {
+    float x[PER_LANE];
+    float sum_squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int d = lane + 32 * i;
+      x[i] = (r < n && d < D) ? to_f32(src[r * token_stride + d]) : 0.0f;
+      sum_squares += x[i] * x[i];
+    }
+    sum_squares = group_sum<32>(sum_squares);
+    const float f = gdr_key_factor(sum_squares, l2norm) * factor;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int d = lane + 32 * i;
+      if (d < D) dst[r * LD + d] = from_f32<T>(x[i] * f);
+    }
+  }
+}
+
+// Rows r < n of a [tokens][heads][width] workspace array (the columns [col0, col0 + COLS) of one head) into
+// dst [64][LD]; rows >= n zeros.
+template <typename T, int COLS, int LD>
+__device__ __forceinline__ void stage_rows(T* dst, const T* src, int64_t row_stride, int n) {
+  for (int e = threadIdx.x; e < kGdrChunk * COLS; e += kGdrChunkThreads) {
+    const int r = e / COLS, c = e % COLS;
+    dst[r * LD + c] = r < n ? src[r * row_stride + c] : from_f32<T>(0.0f);
+  }
+}
+
+template <typename T>
+struct Workspace {
+  float* gcum;      // [tokens][Hv]
+  T* w;             // [tokens][Hv][D]
+  T* u;             // [tokens][Hv][D]: U, then v_new
+  T* h;             // [chunks][Hv][D][D]
+  float* h_scale;   // [chunks][Hv][D / 16]
+
+  __device__ __forceinline__ static Workspace of(const GatedDeltaRuleParams& p) {
+    const GdrChunkedWorkspace l =
+        gdr_chunked_workspace(p.num_tokens, p.batch, p.num_v_heads, p.head_v_dim, static_cast<int>(sizeof(T)));
+    unsigned char* base = static_cast<unsigned char*>(p.workspace);
+    return Workspace{reinterpret_cast<float*>(base + l.gcum), reinterpret_cast<T*>(base + l.w),
+                     reinterpret_cast<T*>(base + l.u), reinterpret_cast<T*>(base + l.h),
+                     reinterpret_cast<float*>(base + l.h_scale)};
+  }
+};
+
+// ---- pass 1: G, the system, its inverse, W and U ---------------------------------------------------
+template <typename T, int D>
+__device__ __forceinline__ void prepare(const GatedDeltaRuleParams& p) {
+  constexpr int C = kGdrChunk;
+  constexpr int LDK = D + 8;
+  constexpr int LDA = kGdrSystemLd;
+  constexpr GdrPrepareLayout L = gdr_prepare_layout(D);
+  const GdrChunkRef chunk = gdr_find_chunk(p, blockIdx.x);
+  if (!chunk.valid) return;  // uniform over the CTA
+  const int hv = blockIdx.y;
+  const int hk = gdr_key_head(hv, p.num_v_heads, p.num_k_heads);
+  const int64_t t0 = chunk.start;
+  const int n = chunk.len;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+  CLEF_DYNAMIC_SHARED_ALIGNED(unsigned char, smem, 128);
+  T* k_s = reinterpret_cast<T*>(smem + L.keys);             // normalised keys [64][LDK]
+  float* a_s = reinterpret_cast<float*>(smem + L.system);   // A, fp32 [64][LDA] (strictly lower part)
+  T* tw_s = reinterpret_cast<T*>(smem + L.system);          // then T diag(beta e^G) [64][LDA]
+  T* tb_s = tw_s + C * LDA;                                 //  and T diag(beta) [64][LDA]
+  float* t_s = reinterpret_cast<float*>(smem + L.inverse);  // T, fp32 [64][LDA] (lower part)
+  T* v_s = reinterpret_cast<T*>(smem + L.inverse);          // then the values [64][LDK]
+  float* staging = reinterpret_cast<float*>(smem + L.scratch);
+  float* scratch = staging + warp * 16 * kGdrScratchLd;
+  float* g_s = reinterpret_cast<float*>(smem + L.gates);    // g, then G
+  float* beta_s = g_s + C;
+  const Workspace<T> ws = Workspace<T>::of(p);
+
+  if (tid < C) {
+    const int64_t gate = gdr_gate_offset(t0 + tid, hv, p);
+    g_s[tid] = tid < n ? p.g[gate] : 0.0f;
+    beta_s[tid] = tid < n ? p.beta[gate] : 0.0f;
+  }
+  stage_normalized_rows<T, D, LDK>(k_s, static_cast<const T*>(p.k) + gdr_k_offset(t0, hk, p), p.k_token_stride, n,
+                                   p.l2norm_qk, 1.0f);
+  __syncthreads();
+  // G_t = g_0 + ... + g_t summed in token order, as a sequential cumulative sum (the reference's) would.
+  float G = 0.0f;
+  if (tid < C)
+    for (int s = 0; s <= tid; ++s) G += g_s[s];
+  __syncthreads();
+  if (tid < C) {
+    g_s[tid] = G;
+    if (tid < n) ws.gcum[(t0 + tid) * p.num_v_heads + hv] = G;
+  }
+
+  // K K^T, the tiles on and below the diagonal: warp w computes row block w.
+  for (int j = 0; j <= warp; ++j) {
+    Accumulator acc;
+    wmma::fill_fragment(acc, 0.0f);
+    mma_abt(acc, k_s + 16 * warp * LDK, LDK, k_s + 16 * j * LDK, LDK, D / 16);
+    wmma::store_matrix_sync(a_s + 16 * warp * LDA + 16 * j, acc, LDA, wmma::mem_row_major);
+  }
+  __syncthreads();
+  // A[t][s] = beta_t Gamma[t][s] (k_t . k_s) for s < t (only the strictly lower part is ever read).
+  for (int e = tid; e < C * C; e += kGdrChunkThreads) {
+    const int t = e / C, s = e % C;
+    if (s < t) a_s[t * LDA + s] *= beta_s[t] * exp_f32(g_s[t] - g_s[s]);
+  }
+  __syncthreads();
+
+  // T = (I + A)^-1. Diagonal blocks: thread (block i, column c) solves (I + A_ii) x = e_c by substitution.
+  if (tid < C) {
+    const int i = tid / 16, c = tid % 16;
+    const float* a_block = a_s + 16 * i * LDA + 16 * i;
+    float x[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int m = 0; m < r; ++m)
+        if (m >= c) sum += a_block[r * LDA + m] * x[m];
+      x[r] = r < c ? 0.0f : (r == c ? 1.0f : -sum);
+    }
+#pragma unroll
+    for (int r = 0; r < 16; ++r) t_s[(16 * i + r) * LDA + 16 * i + c] = x[r];
+  }
+  // Off-diagonal blocks by distance: X_ij = sum_{m=j}^{i-1} A_im T_mj (every T_mj is nearer the diagonal:
+  // already known), then T_ij = -T_ii X_ij. X lives in the warps' staging tiles (3 blocks at most).
+  for (int dist = 1; dist < 4; ++dist) {
+    __syncthreads();
+    const int blocks = 4 - dist;
+    for (int e = tid; e < blocks * 256; e += kGdrChunkThreads) {
+      const int i = dist + e / 256, j = i - dist, r = (e / 16) % 16, c = e % 16;
+      float sum = 0.0f;
+      for (int m = j; m < i; ++m)
+        for (int q = 0; q < 16; ++q) sum += a_s[(16 * i + r) * LDA + 16 * m + q] * t_s[(16 * m + q) * LDA + 16 * j + c];
+      staging[e] = sum;
+    }
+    __syncthreads();
+    for (int e = tid; e < blocks * 256; e += kGdrChunkThreads) {
+      const int i = dist + e / 256, j = i - dist, r = (e / 16) % 16, c = e % 16;
+      float sum = 0.0f;
+      for (int q = 0; q <= r; ++q) sum += t_s[(16 * i + r) * LDA + 16 * i + q] * staging[(e / 256) * 256 + q * 16 + c];
+      t_s[(16 * i + r) * LDA + 16 * j + c] = -sum;
+    }
+  }
+  __syncthreads();
+
+  // The operands of W and U, rounded once: T diag(beta e^G) and T diag(beta), over A's bytes.
+  for (int e = tid; e < C * C; e += kGdrChunkThreads) {
+    const int t = e / C, s = e % C;
+    const float ts = s <= t ? t_s[t * LDA + s] * beta_s[s] : 0.0f;
+    tw_s[t * LDA + s] = from_f32<T>(ts * CLEF_FAULT(gdr_w_without_decay, exp_f32(g_s[s]), 1.0f));
+    tb_s[t * LDA + s] = from_f32<T>(ts);
+  }
+  __syncthreads();
+  stage_rows<T, D, LDK>(v_s, static_cast<const T*>(p.v) + gdr_v_offset(t0, hv, p), p.v_token_stride, n);
+  __syncthreads();
+
+  // W = T diag(beta e^G) K and U = T diag(beta) V: warp w's 16 rows, one 16-column tile at a time. Row block w
+  // of T has nothing right of its diagonal block, so the depth stops there.
+  const int row = lane / 2, col = 8 * (lane % 2);
+  const int t = 16 * warp + row;
+  for (int jc = 0; jc < D / 16; ++jc) {
+    for (int which = 0; which < 2; ++which) {
+      Accumulator acc;
+      wmma::fill_fragment(acc, 0.0f);
+      mma_ab(acc, (which == 0 ? tw_s : tb_s) + 16 * warp * LDA, LDA, (which == 0 ? k_s : v_s) + 16 * jc, LDK,
+             warp + 1);
+      stage(scratch, acc);
+      if (t < n) {
+        T* dst = (which == 0 ? ws.w : ws.u) + ((t0 + t) * p.num_v_heads + hv) * D + 16 * jc + col;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) dst[c] = from_f32<T>(scratch[row * kGdrScratchLd + col + c]);
+      }
+    }
+  }
+}
+
+// ---- pass 2: the state, chunk after chunk ---------------------------------------------------------
+template <typename T, int D, int BV>
+__device__ __forceinline__ void carry_state(const GatedDeltaRuleParams& p) {
+  constexpr int C = kGdrChunk;
+  constexpr int LDK = D + 8;
+  constexpr int LDS = BV + 8;
+  constexpr int COL_TILES = BV / 16;
+  constexpr int TILES = (D / 16) * COL_TILES;                             // S's tiles in this CTA's columns
+  constexpr int MY_TILES = (TILES + kGdrChunkWarps - 1) / kGdrChunkWarps;  // warp w: tiles w, w + 4, ...
+  constexpr GdrStateLayout L = gdr_state_layout(D, BV);
+  const int col0 = blockIdx.x * BV;
+  const int hv = blockIdx.y;
+  const int b = blockIdx.z;
+  const int hk = gdr_key_head(hv, p.num_v_heads, p.num_k_heads);
+  const PackedSeq s = gdr_sequence(p, b);
+  const int first_chunk = gdr_first_chunk(p, b);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int row = lane / 2, col = 8 * (lane % 2);
+
+  CLEF_DYNAMIC_SHARED_ALIGNED(unsigned char, smem, 128);
+  T* w_s = reinterpret_cast<T*>(smem + L.w);          // W rows [64][LDK]
+  T* k_s = reinterpret_cast<T*>(smem + L.keys);       // normalised keys [64][LDK]
+  T* s_s = reinterpret_cast<T*>(smem + L.state);      // S times its scale, rounded [D][LDS]
+  T* u_s = reinterpret_cast<T*>(smem + L.u);          // U's columns [64][LDS]
+  T* vd_s = reinterpret_cast<T*>(smem + L.decayed);   // v_new e^(G_last - G_t), rounded [64][LDS]
+  float* scratch = reinterpret_cast<float*>(smem + L.scratch) + warp * 16 * kGdrScratchLd;
+  float* g_s = reinterpret_cast<float*>(smem + L.gates);
+  float* reduce_s = reinterpret_cast<float*>(smem + L.reduce);
+  const Workspace<T> ws = Workspace<T>::of(p);
+
+  // S in accumulator fragments, fp32, for the whole sequence: from the slot, or zeros.
+  Accumulator S[MY_TILES];
+#pragma unroll
+  for (int m = 0; m < MY_TILES; ++m) {
+    const int tile = warp + kGdrChunkWarps * m;
+    if (tile >= TILES) continue;  // uniform over the warp
+    const int i0 = 16 * (tile / COL_TILES), j0 = col0 + 16 * (tile % COL_TILES);
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      scratch[row * kGdrScratchLd + col + c] =
+          s.read_state ? p.states[gdr_state_offset(s.slot, hv, i0 + row, j0 + col + c, p)] : 0.0f;
+    __syncwarp();
+    wmma::load_matrix_sync(S[m], scratch, kGdrScratchLd, wmma::mem_row_major);
+  }
+
+  const int chunks = gdr_num_chunks(s.len);
+  for (int c = 0; c < chunks; ++c) {
+    const int64_t t0 = s.start + static_cast<int64_t>(c) * C;
+    const int n = min_int(C, s.len - c * C);
+    const int64_t chunk = first_chunk + c;  // < max_chunks for any pack check_pack accepts
+    const int64_t row_stride = static_cast<int64_t>(p.num_v_heads) * D;
+    stage_rows<T, D, LDK>(w_s, ws.w + (t0 * p.num_v_heads + hv) * D, row_stride, n);
+    stage_rows<T, BV, LDS>(u_s, ws.u + (t0 * p.num_v_heads + hv) * D + col0, row_stride, n);
+    stage_normalized_rows<T, D, LDK>(k_s, static_cast<const T*>(p.k) + gdr_k_offset(t0, hk, p), p.k_token_stride, n,
+                                     p.l2norm_qk, 1.0f);
+    if (tid < C) g_s[tid] = tid < n ? ws.gcum[(t0 + tid) * p.num_v_heads + hv] : 0.0f;
+
+    // The state's scale: its largest magnitude over the CTA's columns.
+    float largest = 0.0f;
+#pragma unroll
+    for (int m = 0; m < MY_TILES; ++m) {
+      if (warp + kGdrChunkWarps * m >= TILES) continue;
+      for (int i = 0; i < S[m].num_elements; ++i) largest = max_f32(largest, fabsf(S[m].x[i]));
+    }
+    largest = group_max<32>(largest);
+    if (lane == 0) reduce_s[warp] = largest;
+    __syncthreads();
+    float largest_all = 0.0f;
+    for (int w = 0; w < kGdrChunkWarps; ++w) largest_all = max_f32(largest_all, reduce_s[w]);
+    const float scale = gdr_state_scale(largest_all);
+
+    // h = S scale, rounded: the products' operand here and the output pass's (with its scale).
+    T* h = ws.h + ((chunk * p.num_v_heads + hv) * D) * D;
+#pragma unroll
+    for (int m = 0; m < MY_TILES; ++m) {
+      const int tile = warp + kGdrChunkWarps * m;
+      if (tile >= TILES) continue;
+      const int i0 = 16 * (tile / COL_TILES), j0 = 16 * (tile % COL_TILES);
+      stage(scratch, S[m]);
+#pragma unroll
+      for (int cc = 0; cc < 8; ++cc) {
+        const T value = from_f32<T>(scratch[row * kGdrScratchLd + col + cc] * scale);
+        s_s[(i0 + row) * LDS + j0 + col + cc] = value;
+        h[(i0 + row) * D + col0 + j0 + col + cc] = value;
+      }
+    }
+    if (tid < COL_TILES) ws.h_scale[(chunk * p.num_v_heads + hv) * (D / 16) + col0 / 16 + tid] = scale;
+    __syncthreads();
+
+    // v_new = U - W S (fp32), warp w's rows: rounded over U in the workspace for the output pass, and decayed
+    // to the chunk's end (from the fp32 value) for the state update.
+    const float unscale = 1.0f / scale;  // exact: a power of two
+    const float g_last = g_s[n - 1];
+    const int t = 16 * warp + row;
+    const float to_end = t < n ? exp_f32(g_last - g_s[t]) : 0.0f;
+    for (int cb = 0; cb < COL_TILES; ++cb) {
+      Accumulator acc;
+      wmma::fill_fragment(acc, 0.0f);
+      mma_ab(acc, w_s + 16 * warp * LDK, LDK, s_s + 16 * cb, LDS, D / 16);
+      stage(scratch, acc);
+      T* v_new = ws.u + ((t0 + t) * p.num_v_heads + hv) * D + col0 + 16 * cb + col;
+#pragma unroll
+      for (int cc = 0; cc < 8; ++cc) {
+        const int j = 16 * cb + col + cc;
+        const float value = to_f32(u_s[t * LDS + j]) - scratch[row * kGdrScratchLd + col + cc] * unscale;
+        if (t < n) v_new[cc] = from_f32<T>(value);
+        vd_s[t * LDS + j] = from_f32<T>(value * to_end);
+      }
+    }
+    __syncthreads();
+
+    // S = e^(G_last) S + K^T (decayed v_new), in the fragments.
+    const float chunk_decay = CLEF_FAULT(gdr_state_not_carried, exp_f32(g_last), 0.0f);
+#pragma unroll
+    for (int m = 0; m < MY_TILES; ++m) {
+      const int tile = warp + kGdrChunkWarps * m;
+      if (tile >= TILES) continue;
+      const int i0 = 16 * (tile / COL_TILES), j0 = 16 * (tile % COL_TILES);
+      for (int i = 0; i < S[m].num_elements; ++i) S[m].x[i] *= chunk_decay;
+      mma_atb(S[m], k_s + i0, LDK, vd_s + j0, LDS, C / 16);
+    }
+    __syncthreads();  // the next chunk's staging overwrites what this one read
+  }
+
+  if (s.slot < 0) return;
+#pragma unroll
+  for (int m = 0; m < MY_TILES; ++m) {
+    const int tile = warp + kGdrChunkWarps * m;
+    if (tile >= TILES) continue;
+    const int i0 = 16 * (tile / COL_TILES), j0 = col0 + 16 * (tile % COL_TILES);
+    stage(scratch, S[m]);
+#pragma unroll
+    for (int cc = 0; cc < 8; ++cc)
+      p.states[gdr_state_offset(s.slot, hv, i0 + row, j0 + col + cc, p)] = scratch[row * kGdrScratchLd + col + cc];
+  }
+}
+
+// ---- pass 3: the outputs ----------------------------------------------------------------------------
+template <typename T, int D, int OC>
+__device__ __forceinline__ void output(const GatedDeltaRuleParams& p) {
+  constexpr int C = kGdrChunk;
+  constexpr int LDK = D + 8;
+  constexpr int LDO = OC + 8;
+  constexpr int LDP = kGdrSystemLd;
+  constexpr GdrOutputLayout L = gdr_output_layout(D, OC);
+  const GdrChunkRef chunk = gdr_find_chunk(p, blockIdx.x);
+  if (!chunk.valid) return;  // uniform over the CTA
+  const int64_t chunk_index = blockIdx.x;
+  const int hv = blockIdx.y;
+  const int hk = gdr_key_head(hv, p.num_v_heads, p.num_k_heads);
+  const int64_t t0 = chunk.start;
+  const int n = chunk.len;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int row = lane / 2, col = 8 * (lane % 2);
+  const int t = 16 * warp + row;
+
+  CLEF_DYNAMIC_SHARED_ALIGNED(unsigned char, smem, 128);
+  T* q_s = reinterpret_cast<T*>(smem + L.queries);        // normalised, scaled queries [64][LDK]
+  T* k_s = reinterpret_cast<T*>(smem + L.keys_or_state);  // normalised keys [64][LDK]
+  T* h_s = reinterpret_cast<T*>(smem + L.keys_or_state);  // then OC columns of h [D][LDO]
+  T* p_s = reinterpret_cast<T*>(smem + L.scores);         // P [64][LDP]
+  T* vn_s = reinterpret_cast<T*>(smem + L.values);        // OC columns of v_new [64][LDO]
+  float* scratch = reinterpret_cast<float*>(smem + L.scratch) + warp * 16 * kGdrScratchLd;
+  float* g_s = reinterpret_cast<float*>(smem + L.gates);
+  float* scale_s = g_s + C;  // the state's scale per 16 columns of this pass
+  const Workspace<T> ws = Workspace<T>::of(p);
+
+  stage_normalized_rows<T, D, LDK>(q_s, static_cast<const T*>(p.q) + gdr_q_offset(t0, hk, p), p.q_token_stride, n,
+                                   p.l2norm_qk, p.scale);
+  stage_normalized_rows<T, D, LDK>(k_s, static_cast<const T*>(p.k) + gdr_k_offset(t0, hk, p), p.k_token_stride, n,
+                                   p.l2norm_qk, 1.0f);
+  if (tid < C) g_s[tid] = tid < n ? ws.gcum[(t0 + tid) * p.num_v_heads + hv] : 0.0f;
+  __syncthreads();
+
+  // P = Q K^T (.) Gamma, causal: warp w's row block, tiles on and left of the diagonal (the others are zero
+  // and never read).
+  for (int j = 0; j <= warp; ++j) {
+    Accumulator acc;
+    wmma::fill_fragment(acc, 0.0f);
+    mma_abt(acc, q_s + 16 * warp * LDK, LDK, k_s + 16 * j * LDK, LDK, D / 16);
+    stage(scratch, acc);
+#pragma unroll
+    for (int cc = 0; cc < 8; ++cc) {
+      const int s = 16 * j + col + cc;
+      const bool visible = CLEF_FAULT(gdr_skip_causal_mask, s <= t, true);
+      p_s[t * LDP + s] = from_f32<T>(visible ? scratch[row * kGdrScratchLd + col + cc] * exp_f32(g_s[t] - g_s[s]) : 0.0f);
+    }
+  }
+  const float decay_t = exp_f32(g_s[t]);
+  const T* h = ws.h + ((chunk_index * p.num_v_heads + hv) * D) * D;
+  const int64_t row_stride = static_cast<int64_t>(p.num_v_heads) * D;
+  T* out = static_cast<T*>(p.out);
+
+  for (int oc0 = 0; oc0 < D; oc0 += OC) {
+    __syncthreads();  // P is complete and the keys (or the previous pass's columns) are no longer read
+    for (int e = tid; e < D * OC; e += kGdrChunkThreads) h_s[(e / OC) * LDO + e % OC] = h[(e / OC) * D + oc0 + e % OC];
+    stage_rows<T, OC, LDO>(vn_s, ws.u + (t0 * p.num_v_heads + hv) * D + oc0, row_stride, n);
+    if (tid < OC / 16) scale_s[tid] = ws.h_scale[(chunk_index * p.num_v_heads + hv) * (D / 16) + oc0 / 16 + tid];
+    __syncthreads();
+    for (int jc = 0; jc < OC / 16; ++jc) {
+      // e^(G_t) (Q h)[t] / scale: the row factor applied in fp32 through the staging tile, then P v_new on top.
+      Accumulator acc;
+      wmma::fill_fragment(acc, 0.0f);
+      mma_ab(acc, q_s + 16 * warp * LDK, LDK, h_s + 16 * jc, LDO, D / 16);
+      stage(scratch, acc);
+      const float f = decay_t / scale_s[jc];
+#pragma unroll
+      for (int cc = 0; cc < 8; ++cc) scratch[row * kGdrScratchLd + col + cc] *= f;
+      __syncwarp();
+      wmma::load_matrix_sync(acc, scratch, kGdrScratchLd, wmma::mem_row_major);
+      mma_ab(acc, p_s + 16 * warp * LDP, LDP, vn_s + 16 * jc, LDO, warp + 1);
+      stage(scratch, acc);
+      if (t < n) {
+        T* dst = out + gdr_out_offset(t0 + t, hv, p) + oc0 + 16 * jc + col;
+#pragma unroll
+        for (int cc = 0; cc < 8; ++cc) dst[cc] = from_f32<T>(scratch[row * kGdrScratchLd + col + cc]);
+      }
+    }
+  }
+}
+
+}  // namespace gdr_chunked
+
+#endif  // CLEF_WMMA_ARCH
+
+// The kernels: below the arch (or dtype) WMMA needs they compile to a trap gdr_choose never lets run.
+#if defined(CLEF_WMMA_ARCH)
+#define CLEF_GDR_CHUNKED_BODY(T, call) \
+  if constexpr (WmmaCompiled<T>::value) {    \
+    call;                                    \
+  } else {                                   \
+    __trap();                                \
+  }
+#else
+#define CLEF_GDR_CHUNKED_BODY(T, call) \
+  (void)p;                             \
+  __trap();
+#endif
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kGdrChunkThreads, 1) gdr_chunk_prepare_kernel(GatedDeltaRuleParams p) {
+  CLEF_GDR_CHUNKED_BODY(T, (gdr_chunked::prepare<T, D>(p)))
+}
+
+template <typename T, int D, int BV>
+__global__ void __launch_bounds__(kGdrChunkThreads, 1) gdr_chunk_state_kernel(GatedDeltaRuleParams p) {
+  CLEF_GDR_CHUNKED_BODY(T, (gdr_chunked::carry_state<T, D, BV>(p)))
+}
+
+template <typename T, int D, int OC>
+__global__ void __launch_bounds__(kGdrChunkThreads, 1) gdr_chunk_output_kernel(GatedDeltaRuleParams p) {
+  CLEF_GDR_CHUNKED_BODY(T, (gdr_chunked::output<T, D, OC>(p)))
+}
+
+#undef CLEF_GDR_CHUNKED_BODY
+
+}  // namespace clef
