@@ -12,7 +12,8 @@ launchers' own functions (csrc/paged_attention/paged_attention.h) against the ar
 (csrc/common/arch_limits.h: the table the simulator reads too). It fails when a kernel spills, exceeds 255
 registers a thread, 64 K registers a block or 48 KB of static shared memory, reserves all 16 named
 barriers (an id that is not an immediate), or when a head dim has no tile that fits an arch (tensor-core
-tiles from sm_70 on; the SIMT one everywhere).
+tiles from sm_70 on; the SIMT one everywhere), or when the chunked delta rule's three passes do not fit a
+tensor-core arch's shared memory for some head dim (csrc/gated_delta_rule/gated_delta_rule.h's layouts).
 `--arch sm_70` checks one (make check-sm70). tests/test_check_archs.py runs it.
 
 Needs the PyPI packages nvidia-cuda-nvrtc-cu12, nvidia-cuda-nvcc-cu12 (crt/ headers),
@@ -338,6 +339,7 @@ class Report:
     nvrtc_version: str
     kernels: list[KernelUsage] = field(default_factory=list)
     tiles: list[Tile] = field(default_factory=list)
+    delta_rule: list[DeltaRuleTiles] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
 
@@ -416,6 +418,49 @@ int main(int, char** argv) {
     ]
 
 
+@dataclass
+class DeltaRuleTiles:
+    """The chunked delta rule's passes on an arch for a head dim: the dynamic shared memory of each (the prepare
+    pass, the state pass at its columns a CTA, the output pass at its columns a pass); columns 0: none fits."""
+
+    head_dim: int
+    prepare_bytes: int
+    state_columns: int
+    state_bytes: int
+    output_columns: int
+    output_bytes: int
+
+    def fits(self, limit: int) -> bool:
+        return (
+            self.state_columns > 0
+            and self.output_columns > 0
+            and max(self.prepare_bytes, self.state_bytes, self.output_bytes) <= limit
+        )
+
+
+def delta_rule_tiles(smem_limit: int) -> list[DeltaRuleTiles]:
+    """What each head dim's chunked delta rule gets with `smem_limit` bytes a block (one record on a device of
+    one SM: the state pass's widest columns), from the dispatch rule's own functions
+    (csrc/gated_delta_rule/gated_delta_rule.h), compiled into a host probe."""
+    probe = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <initializer_list>
+#include "gated_delta_rule/gated_delta_rule.h"
+int main(int, char** argv) {
+  const int limit = std::atoi(argv[1]);
+  const clef::CudaDevice device{70, limit, 1};
+  for (int d : {16, 32, 64, 128}) {
+    const int bv = clef::gdr_state_columns(d, 1, 1, device), oc = clef::gdr_output_columns(d, limit);
+    std::printf("%d %d %d %d %d %d\n", d, clef::gdr_prepare_layout(d).bytes, bv,
+                bv ? clef::gdr_state_layout(d, bv).bytes : 0, oc, oc ? clef::gdr_output_layout(d, oc).bytes : 0);
+  }
+}
+"""
+    out = host_probe(probe, str(smem_limit))
+    return [DeltaRuleTiles(*(int(x) for x in line.split())) for line in out.splitlines()]
+
+
 def nvrtc_for(packages: str | None) -> tuple[Nvrtc, list[Path]]:
     """NVRTC 12 and its include dirs; FileNotFoundError (saying what to install) without them."""
     dirs = find_nvidia_dirs(packages)
@@ -463,6 +508,10 @@ def check(packages: str | None = None, arch: str = "sm_70") -> Report:
             report.failures.append(f"{tile.kernel} attention, head dim {tile.head_dim}: no tile fits {limit} B")
         if tile.bytes > limit:
             report.failures.append(f"{tile.kernel} attention, head dim {tile.head_dim}: {tile.bytes} B > {limit} B")
+    report.delta_rule = delta_rule_tiles(limit)
+    for tiles in report.delta_rule:
+        if tensor_cores and not tiles.fits(limit):
+            report.failures.append(f"chunked delta rule, head dim {tiles.head_dim}: no passes fit {limit} B ({tiles})")
     return report
 
 
@@ -491,6 +540,14 @@ def print_report(report: Report, quiet: bool) -> None:
             print(f"{where} none fits: {'FAIL' if t.kernel == 'simt' else 'the SIMT kernel runs'}")
     if not tensor_cores:
         print("     wmma: no tensor cores before sm_70 (the SIMT kernel runs; f16 activations, or f32 on sm_61)")
+        print("     chunked delta rule: no tensor cores before sm_70 (the token-serial kernel runs)")
+        return
+    print("     chunked delta rule passes (dynamic shared memory: prepare, state at its columns, output at its columns):")
+    for t in report.delta_rule:
+        print(
+            f"     D={t.head_dim:<3d} prepare {t.prepare_bytes:>6d} B, state {t.state_columns:>2d} columns "
+            f"{t.state_bytes:>6d} B, output {t.output_columns:>3d} columns {t.output_bytes:>6d} B"
+        )
 
 
 def main() -> int:

@@ -2,7 +2,8 @@
 (RTX 50x0), with CUDA 12.9's NVRTC (scripts/check_archs.py): no spills, ptxas' figures within each arch's
 limits, no more named barriers than a kernel names, a paged-attention tile for every head dim within the
 arch's shared memory per block (tensor-core ones, v1's and v2's, from sm_70, the D = 256 ones on a T4 in
-64 KB), and the limit checks themselves shown to fail on kernels over them."""
+64 KB), the chunked delta rule's passes within it from sm_70, and the limit checks themselves shown to fail on
+kernels over them."""
 
 from __future__ import annotations
 
@@ -107,6 +108,29 @@ def test_tensor_core_v2_fits_every_tensor_core_card_without_spills():
         combine = [k for k in report(arch).kernels if "paged_attention_split_combine_kernel" in k.name]
         assert len(combine) == 2 and all(k.spill_bytes == 0 for k in combine), combine
     assert all(k.registers < 16 for k in report("sm_60").kernels if "paged_attention_wmma2_kernel" in k.name)
+
+
+def test_the_chunked_delta_rule_fits_every_tensor_core_arch():
+    """clef-flash's head dim: the output pass takes the whole head where 84 KB fits (V100's 96 KB and up) and
+    half of it on a T4's 64 KB; the f16 passes are real tensor-core code on sm_70+, the bf16 ones a trap below
+    sm_80 (the dispatch rule keeps bf16 there on the serial kernel), nothing spills."""
+    module = check_archs_module()
+    for arch in ("sm_70", "sm_75", "sm_80", "sm_86", "sm_90", "sm_120"):
+        limit = module.ARCHS[arch][0]
+        by_dim = {t.head_dim: t for t in report(arch).delta_rule}
+        assert set(by_dim) == {16, 32, 64, 128} and all(t.fits(limit) for t in by_dim.values()), arch
+        assert by_dim[128].output_columns == (64 if arch == "sm_75" else 128), arch
+        chunked = [k for k in report(arch).kernels if k.name.split("(")[0].split("<")[0].endswith(
+            ("gdr_chunk_prepare_kernel", "gdr_chunk_state_kernel", "gdr_chunk_output_kernel"))]
+        assert len(chunked) == 2 * (4 + 7 + 5) and all(k.spill_bytes == 0 and k.threads == 128 for k in chunked)
+        assert all(k.registers > 32 for k in chunked if "__half" in k.name), arch
+        bf16 = [k.registers for k in chunked if "bfloat16" in k.name]
+        assert (max(bf16) < 16) == (arch in ("sm_70", "sm_75")), (arch, bf16)
+    # below sm_70 the token-serial kernel runs: nothing to fit, nothing failed
+    assert not report("sm_61").failures
+    # the fit check itself: a head dim whose passes exceed the limit does not fit
+    assert not module.DeltaRuleTiles(128, 59904, 32, 60800, 64, 59776).fits(48 * 1024)
+    assert not module.DeltaRuleTiles(128, 59904, 0, 0, 64, 59776).fits(227 * 1024)
 
 
 def test_v2_reserves_only_the_barriers_it_names():
