@@ -542,7 +542,9 @@ def print_report(report: Report, quiet: bool) -> None:
         print("     wmma: no tensor cores before sm_70 (the SIMT kernel runs; f16 activations, or f32 on sm_61)")
         print("     chunked delta rule: no tensor cores before sm_70 (the token-serial kernel runs)")
         return
-    print("     chunked delta rule passes (dynamic shared memory: prepare, state at its columns, output at its columns):")
+    print(
+        "     chunked delta rule passes (dynamic shared memory: prepare, state at its columns, output at its columns):"
+    )
     for t in report.delta_rule:
         print(
             f"     D={t.head_dim:<3d} prepare {t.prepare_bytes:>6d} B, state {t.state_columns:>2d} columns "

@@ -10,13 +10,17 @@
 #      (scripts/gpu_sanitize_cases.py); the self-check at clef-flash's shapes in f16, bf16 (sm_80+) and with
 #      int8 weights; the shadow tolerance in f16 and bf16, gating. Each step has a time limit: one that runs
 #      out fails the gate ("TIMEOUT").
-#   2. The tables (until TOTAL_BUDGET, default 560 s, from the start): the ops; attention v1 / v2 / SIMT / SDPA
-#      at 2k and 16k of context with one trunk step split by op; int8 dequantize + GEMM against f16 at 64, 256,
-#      1,024 and 4,096 rows; the start-up autotune at clef-flash's shapes; then the whole suite while time
-#      remains. A table that does not fit the time left is skipped, saying so.
+#   2. The tables (until TOTAL_BUDGET, default 560 s, from the start): the delta rule at clef-flash's shape
+#      (chunked, serial and FLA by device time under CUDA graphs, 2k / 8k / 16k tokens) and one 2,048-token
+#      decision at clef-flash's shapes (random weights, f16 and int8) split by op; the ops; attention v1 / v2 /
+#      SIMT / SDPA at 2k and 16k of context with one trunk step split by op; int8 dequantize + GEMM against f16
+#      at 64, 256, 1,024 and 4,096 rows; the start-up autotune at clef-flash's shapes; then the whole suite while
+#      time remains. A table that does not fit the time left is skipped, saying so.
 #
-# Files under $OUT (at most 8): verdict.txt, gate.log, ops.md, attention.md, int8.md, autotune.md, suite.log.
-# The exit status is the gate's.
+# Files under $OUT (at most 8): verdict.txt, gate.log, delta_rule.md, ops.md, attention.md, int8.md, autotune.md,
+# suite.log. The exit status is the gate's.
+#
+#   bash scripts/gpu_check.sh --tables-only   (the build, then the tables alone: a second call after the gate)
 #
 # The device machine has no network and its own Python (scripts/gpu_image_packages.txt lists what it has).
 # Prepare what it lacks here, as wheels that travel with the tree (the device tool's README, "Notes"):
@@ -38,6 +42,9 @@ if [ "${1:-}" = "--dry-run" ]; then  # in the development environment (it maps m
   [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
   exec "$PY" scripts/gpu_check_dry_run.py
 fi
+
+tables_only=0
+if [ "${1:-}" = "--tables-only" ]; then tables_only=1; fi
 
 OUT=${OUT:-.cache/gpu_check}
 mkdir -p "$OUT"
@@ -109,6 +116,7 @@ gate "build for sm_${arch/./} only" 240 env CLEF_CUDA_BUILD=cuda TORCH_CUDA_ARCH
   "$PY" -m pip install --no-build-isolation --no-deps -e .
 "$PY" -c "import clef_cuda; print(clef_cuda.build_info())" | tee -a "$OUT/gate.log"
 
+if [ "$tables_only" = 0 ]; then
 # Every test's GPU case (the conftest marks a cuda-backend case `cuda`, as GPU-only tests are by hand).
 GATE_TESTS="tests/test_paged_attention.py tests/test_paged_attention_v2.py tests/test_glue.py tests/test_quantize.py \
 tests/test_conv1d.py tests/test_gated_delta_rule.py tests/test_key_band.py tests/test_kernel_trials.py tests/test_vocab_tables.py \
@@ -125,19 +133,21 @@ sanitize() {
   shift
   # Without torch's caching allocator every tensor is its own allocation, so memcheck sees a read past one.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool "$tool" --show-backtrace no --print-limit 100000 \
-    "$PY" scripts/gpu_sanitize_cases.py "$@" > "$OUT/sanitizer.log" 2>&1
+    "$PY" scripts/gpu_sanitize_cases.py "$@" > "$SANITIZER_LOG" 2>&1
   status=$?
-  grep -v "^=========" "$OUT/sanitizer.log"
-  "$PY" scripts/sanitizer_verdict.py "$OUT/sanitizer.log" "$status"
+  grep -v "^=========" "$SANITIZER_LOG"
+  "$PY" scripts/sanitizer_verdict.py "$SANITIZER_LOG" "$status"
 }
 export -f sanitize
-export sanitizer PY OUT
+# The tool's raw log stays out of $OUT (8 files come back at most, and a killed run would leave it there).
+SANITIZER_LOG=${TMPDIR:-/tmp}/clef_gpu_check_sanitizer.log
+export sanitizer PY OUT SANITIZER_LOG
 gate "compute-sanitizer memcheck, every kernel once" 90 bash -c 'sanitize "$@"' _ memcheck
 gate "compute-sanitizer synccheck, every kernel once" 90 bash -c 'sanitize "$@"' _ synccheck
 # The op checks alone (their inputs from torch's generators, not cuBLAS), f16 and int8: each kernel once.
 gate "compute-sanitizer racecheck, the op checks" 240 bash -c 'sanitize "$@"' _ racecheck --ops-only --dtypes f16
 gate "compute-sanitizer initcheck, the op checks" 120 bash -c 'sanitize "$@"' _ initcheck --ops-only --dtypes f16
-rm -f "$OUT/sanitizer.log"
+rm -f "$SANITIZER_LOG"
 
 flash_dtypes="f16"
 "$PY" -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() < (8, 0))" && flash_dtypes="f16 bf16"
@@ -150,11 +160,19 @@ gate "self-check at clef-flash's shapes, f16 with int8 weights" 90 "$PY" benchma
 gate "shadow tolerance on this GPU, f16 and bf16 (gating)" 150 "$PY" benchmarks/shadow_tolerance.py --device cuda \
   --dtypes f16,bf16 --records 10 --gate
 
+fi  # tables_only
+
 if [ "$gate_failed" = 0 ]; then gate_verdict="PASSED"; else gate_verdict="FAILED"; fi
+[ "$tables_only" = 1 ] && gate_verdict="$gate_verdict (the build alone: --tables-only)"
 if [ "$(elapsed)" -gt "$GATE_BUDGET" ]; then gate_verdict="$gate_verdict (over its ${GATE_BUDGET} s budget: $(elapsed) s)"; fi
 echo "GATE $gate_verdict after $(elapsed) s" | tee -a "$OUT/verdict.txt"
 
 # ---- stage 2: the tables ----------------------------------------------------------------------------
+# shellcheck disable=SC2016
+table "the delta rule (chunked / serial / FLA by device time) and a 2k decision at clef-flash's shapes by op" 240 \
+  delta_rule.md bash -c '"$0" benchmarks/delta_rule_table.py --device cuda &&
+    "$0" benchmarks/decision_split.py --device cuda --dtype f16 --tokens 2048 &&
+    "$0" benchmarks/decision_split.py --device cuda --dtype f16 --quantize int8 --tokens 2048' "$PY"
 table "the ops" 90 ops.md "$PY" benchmarks/kernel_table.py --device cuda
 table "attention v1 / v2 / SIMT / SDPA at 2k and 16k, a trunk step by op" 150 attention.md \
   "$PY" benchmarks/attention_table.py --device cuda --contexts 2048,16384
@@ -172,7 +190,7 @@ else
 fi
 
 echo
-for f in ops.md attention.md int8.md autotune.md; do
+for f in delta_rule.md ops.md attention.md int8.md autotune.md; do
   [ -f "$OUT/$f" ] && { echo "--- $f"; tail -40 "$OUT/$f"; }
 done
 echo "--- verdict ($(elapsed) s)"

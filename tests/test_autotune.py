@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -343,3 +344,67 @@ def test_without_a_driver_the_version_is_unknown_not_an_error(tmp_path):
     assert tuning.cuda_driver_version(tmp_path / "absent") in {"unknown"} | {
         f"cuda {v}" for v in range(9000, 20000, 10)
     }
+
+
+# ---- the delta rule's kernels: the simulator's op library stands in for a GPU's (it runs the CUDA kernels) ----
+def sim_target(sim_ops, tiny) -> tuning.TuneTarget:
+    """clef-tiny's delta-net shapes (2 key heads, 4 value heads, head dim 16) in f16 on the simulated GPU."""
+    return tuning.TuneTarget(sim_ops, tiny.trunk.config, torch.device("cpu"), torch.float16)
+
+
+STEPS = SimpleNamespace(max_num_seqs=2, prefill_chunk_size=64)  # buckets "64 x1", "32 x2", "16 x2"
+
+
+def test_the_delta_rule_kernels_are_checked_then_the_faster_runs_per_bucket(sim_ops, tiny, monkeypatch):
+    assert [b.name for b in tuning.delta_rule_buckets(STEPS)] == ["64 x1", "32 x2", "16 x2"]
+    injected = iter([3.0, 1.0, 2.0, 1.5, 1.0, 2.0])  # (serial, chunked) per bucket, in bucket order
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate, **_: next(injected))
+    report = tuning.AutotuneReport("fast", {})
+    tuning.tune_delta_rule(sim_target(sim_ops, tiny), STEPS, "fast", report)
+    choices = report.choices["gated_delta_rule_chunk"]
+    assert choices == {"64 x1": "chunked", "32 x2": "chunked", "16 x2": "serial"}
+    assert not [r for r in report.rows if r.bucket == "verify"], report.table()  # both passed their checks
+
+    policy = tuning.DeltaRulePolicy(tuning.delta_rule_buckets(STEPS), choices)
+    assert policy(SimpleNamespace(q_lens=(64,))) == "chunked" and policy(SimpleNamespace(q_lens=(1000,))) == "chunked"
+    assert policy(SimpleNamespace(q_lens=(30, 34))) == "chunked" and policy(SimpleNamespace(q_lens=(9, 20))) == "serial"
+    assert policy(SimpleNamespace(q_lens=())) == "auto"
+
+
+def test_a_delta_rule_kernel_that_fails_its_check_is_never_chosen(sim_ops, tiny, monkeypatch):
+    """The chunked kernel with the state dropped between chunks (a test-only fault): its check against the
+    reference fails, and every bucket runs the serial kernel."""
+    from conftest import simulated
+
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate, **_: 1.0)
+    report = tuning.AutotuneReport("fast", {})
+    with simulated(fault="gdr_state_not_carried"):
+        tuning.tune_delta_rule(sim_target(sim_ops, tiny), STEPS, "fast", report)
+    verify = [(r.candidate, r.status) for r in report.rows if r.bucket == "verify"]
+    assert verify == [("chunked", "failed its check: the reference")], report.table()
+    assert set(report.choices["gated_delta_rule_chunk"].values()) == {"serial"}
+
+
+def test_the_cpu_has_one_delta_rule_and_nothing_to_tune(tiny):
+    report = tuning.AutotuneReport("fast", {})
+    target = tuning.TuneTarget(tiny.trunk.ops, tiny.trunk.config, torch.device("cpu"), torch.float32)
+    tuning.tune_delta_rule(target, STEPS, "fast", report)
+    assert report.rows == [] and "gated_delta_rule_chunk" not in report.choices
+
+
+def test_install_gives_the_trunk_the_delta_rule_choices_its_failures_allow(tiny):
+    trunk = tiny.trunk
+    saved = trunk.ops, trunk.attention_choice, trunk.delta_rule_choice
+    try:
+        choices = {"gated_delta_rule_chunk": {"64 x1": "chunked", "16 x2": "serial"}}
+        tuning.install(trunk, tuning.AutotuneReport("fast", {}, choices=choices), [], None, STEPS)
+        assert trunk.delta_rule_choice(SimpleNamespace(q_lens=(80,))) == "chunked"
+        trunk.ops.mark_failed("gated_delta_rule_chunk:chunked", "could not launch: no kernel image")
+        assert trunk.delta_rule_choice(SimpleNamespace(q_lens=(80,))) == "auto"  # failed while serving: steered
+        failed = {"gated_delta_rule_chunk:chunked": "crashed its trial"}
+        tuning.install(trunk, tuning.AutotuneReport("fast", {}, choices=choices, failures=failed), [], None, STEPS)
+        assert trunk.delta_rule_choice(SimpleNamespace(q_lens=(80,))) == "serial"  # the only choice left
+        tuning.install(trunk, tuning.AutotuneReport("fast", {}), [], None, STEPS)
+        assert trunk.delta_rule_choice is None  # untuned: the op's own rule ("auto")
+    finally:
+        trunk.ops, trunk.attention_choice, trunk.delta_rule_choice = saved

@@ -120,8 +120,13 @@ def test_the_chunked_delta_rule_fits_every_tensor_core_arch():
         by_dim = {t.head_dim: t for t in report(arch).delta_rule}
         assert set(by_dim) == {16, 32, 64, 128} and all(t.fits(limit) for t in by_dim.values()), arch
         assert by_dim[128].output_columns == (64 if arch == "sm_75" else 128), arch
-        chunked = [k for k in report(arch).kernels if k.name.split("(")[0].split("<")[0].endswith(
-            ("gdr_chunk_prepare_kernel", "gdr_chunk_state_kernel", "gdr_chunk_output_kernel"))]
+        chunked = [
+            k
+            for k in report(arch).kernels
+            if k.name.split("(")[0]
+            .split("<")[0]
+            .endswith(("gdr_chunk_prepare_kernel", "gdr_chunk_state_kernel", "gdr_chunk_output_kernel"))
+        ]
         assert len(chunked) == 2 * (4 + 7 + 5) and all(k.spill_bytes == 0 and k.threads == 128 for k in chunked)
         assert all(k.registers > 32 for k in chunked if "__half" in k.name), arch
         bf16 = [k.registers for k in chunked if "bfloat16" in k.name]

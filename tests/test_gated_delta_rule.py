@@ -325,7 +325,7 @@ def test_chunked_normalises_keys_before_they_are_rounded(tc_backend):
     big = dict(k=lambda k: k * 300, q=lambda q: q * 300)
     q, k, *_ = make_inputs([70], 1, 2, 32, 32, torch.float16, "cpu")
     raw = (k * 300).float()[:, 0]
-    assert (raw @ raw.T).abs().max() > 65504 and torch.isfinite((k * 300)).all()
+    assert (raw @ raw.T).abs().max() > 65504 and torch.isfinite(k * 300).all()
     check_chunked(tc_backend, [70, 65], 1, 2, 32, torch.float16, **big)
 
 
@@ -359,7 +359,7 @@ def test_chunked_matches_fla_naive(tc_backend):
         assert rel_err(states[0].cpu(), final[0]) < TOLERANCE[torch.float16], oracle.__name__
 
 
-def test_chunked_prefill_then_decode_equals_one_long_recurrence(tc_backend):
+def test_chunked_kernel_prefill_then_decode_equals_one_long_recurrence(tc_backend):
     """Prefill chunks through the chunked kernel at odd boundaries (the state carried between calls through
     the slot), then decode: the reference recurrence over every token, in f16."""
     hk, hv, d, total = 1, 2, 16, 160
@@ -396,8 +396,14 @@ def test_chunked_prefill_then_decode_equals_one_long_recurrence(tc_backend):
 
 # Each compute capability's shared memory: (cc, dtype, the output pass's bytes at head dim 128: the whole head,
 # or half of it where 84 KB does not fit (sm_75's 64 KB)).
-ARCH_CASES = [(70, torch.float16, 84352), (75, torch.float16, 59776), (80, torch.bfloat16, 84352), (86, torch.float16, 84352),
-              (90, torch.bfloat16, 84352), (120, torch.float16, 84352)]
+ARCH_CASES = [
+    (70, torch.float16, 84352),
+    (75, torch.float16, 59776),
+    (80, torch.bfloat16, 84352),
+    (86, torch.float16, 84352),
+    (90, torch.bfloat16, 84352),
+    (120, torch.float16, 84352),
+]
 
 
 @pytest.mark.parametrize("cc, dtype, output_bytes", ARCH_CASES)
@@ -414,6 +420,7 @@ def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
     """auto: chunked for f16 from sm_70 and bf16 from sm_80 once sequences average 32 tokens; serial for fp32,
     short sequences, Pascal (no tensor cores), bf16 before sm_80 and head dims it is not compiled for. A forced
     chunked kernel that cannot run says why."""
+
     def dispatch(n, batch, dtype, d=128, kernel="auto"):
         q = torch.zeros(n, 2, d, dtype=dtype)
         v = torch.zeros(n, 4, d, dtype=dtype)

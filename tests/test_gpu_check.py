@@ -67,7 +67,7 @@ def test_the_gate_is_two_stages_that_never_swallow_a_failure():
     for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
         step = rf"""gate "compute-sanitizer {tool}[^"]*" \d+ bash -c 'sanitize "\$@"' _ {tool}"""
         assert re.search(step, stage1), tool
-    assert 'scripts/sanitizer_verdict.py "$OUT/sanitizer.log" "$status"' in stage1
+    assert 'scripts/sanitizer_verdict.py "$SANITIZER_LOG" "$status"' in stage1 and "$OUT/sanitizer" not in script
     assert stage1.count("benchmarks/selfcheck_cost.py") == 2 and "--quantize int8 --only-flash" in stage1
     assert 'flash_dtypes="f16 bf16"' in stage1 and "--dtypes f16,bf16 --records 10 --gate" in stage1
     for needed in ("test_paged_attention_v2.py", "test_glue.py", "test_quantize.py", "test_kernel_trials.py"):
@@ -79,8 +79,63 @@ def test_the_gate_is_two_stages_that_never_swallow_a_failure():
         "kernel_table.py",
         "attention_table.py --device cuda --contexts 2048,16384",
         "--rows 64,256,1024,4096",
+        "benchmarks/delta_rule_table.py --device cuda",
+        "decision_split.py --device cuda --dtype f16 --tokens 2048",
+        "decision_split.py --device cuda --dtype f16 --quantize int8 --tokens 2048",
     ):
         assert table in stage2, table
+    # the delta rule's tables come first: the ones a short window must not lose
+    assert stage2.index("delta_rule_table.py") < stage2.index("kernel_table.py")
+    # --tables-only: the build, then stage 2 (every other gate step inside the skipped block)
+    build, rest = stage1.split('gate "build for', 1)
+    assert 'if [ "$tables_only" = 0 ]; then' in rest and rest.index("tables_only") < rest.index("op tests on the GPU")
+    assert rest.rstrip().endswith("fi  # tables_only") or "fi  # tables_only" in rest
+
+
+def test_the_delta_rule_benchmarks_run_on_the_cpu():
+    """Their command lines and tables (the GPU columns need a GPU: a CPU run times the CPU op, and one small
+    decision split by op)."""
+    table = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "delta_rule_table.py"), "--device", "cpu", "--tokens", "64"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert table.returncode == 0, table.stderr[-2000:]
+    assert "| 64 | - |" in table.stdout and "(CPU, wall)" in table.stdout
+    bad = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "delta_rule_table.py"),
+            "--device",
+            "cpu",
+            "--tokens",
+            "2",
+            "--batch",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "--batch must be at least 1" in bad.stderr.splitlines()[-1]
+    split = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "decision_split.py"),
+            *("--device", "cpu", "--shape", "mid", "--tokens", "96", "--repeats", "1", "--autotune", "off"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert split.returncode == 0, split.stderr[-2000:]
+    row = next(line for line in split.stdout.splitlines() if line.startswith("| mid none |"))
+    shares = [float(cell.strip().rstrip("%")) for cell in row.split("|")[4:11]]
+    assert abs(sum(shares) - 100) < 0.5 and shares[5] > 0 and shares[0] > 0, row  # GEMMs and the delta rule seen
 
 
 def test_the_attention_benchmark_runs_its_dry_run():

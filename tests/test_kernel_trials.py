@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -91,7 +92,7 @@ def test_every_failed_kernel_runs_the_reference_and_answers_stay_right(tiny):
 
             return run
 
-    failed = {f"{op}:cpu": "test" for op in GUARDED_OPS} | {"paged_attention:cpu": "test"}
+    failed = {f"{op}:cpu": "test" for op in (*GUARDED_OPS, "paged_attention", "gated_delta_rule_chunk")}
     base = tiny.trunk.ops
     tiny.trunk.ops = GuardedOps(base, failed, fallback=Counting())
     try:
@@ -104,6 +105,63 @@ def test_every_failed_kernel_runs_the_reference_and_answers_stay_right(tiny):
     pairs = zip(before, after, strict=True)
     worst = max(abs(a - b) for x, y in pairs for p, q in zip(x, y, strict=True) for a, b in zip(p, q, strict=True))
     assert worst < PARITY_BOUND, worst
+
+
+class _OnTheGpu:
+    """Stands in for a CUDA tensor where only its device is asked (GuardedOps' choice between kernels)."""
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else SimpleNamespace(type="cuda")
+
+
+@pytest.mark.parametrize(
+    "op, dispatch, universal",
+    [
+        ("gated_delta_rule_chunk", "gated_delta_rule_dispatch", "serial"),
+        ("paged_attention", "paged_attention_dispatch", "simt"),
+    ],
+)
+def test_an_op_with_a_choice_of_kernels_is_steered_around_a_failed_one(op, dispatch, universal):
+    """The dispatch rule's pick runs while it has not failed; once it has, the universal kernel (the serial delta
+    rule, SIMT attention) runs its calls; with both failed the reference does; a forced failed kernel is refused;
+    a launch error marks the kernel that raised failed and runs the call again, steered around it."""
+    other = "chunked" if op == "gated_delta_rule_chunk" else "wmma"
+    ran, recorded, no_image = [], [], set()
+
+    class Base:
+        def __getattr__(self, name):
+            if name == dispatch:
+                return lambda *args: other
+            if name == op:
+
+                def run(*args, kernel="auto"):
+                    if kernel in no_image:  # "auto" runs the dispatch rule's pick: `other`
+                        raise RuntimeError(f"{op}: CUDA launch failed: no kernel image is available for execution")
+                    ran.append(kernel)
+                    return kernel
+
+                return run
+            raise AttributeError(name)
+
+    class Fallback:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: ran.append("reference") or "reference"
+
+    args = (_OnTheGpu(),) + (None,) * (8 if op == "gated_delta_rule_chunk" else 5)
+    guarded = GuardedOps(Base(), fallback=Fallback(), on_failure=lambda kernel, why: recorded.append(kernel))
+    assert getattr(guarded, op)(*args) == "auto"  # nothing failed: the op's own rule
+    guarded.failed[f"{op}:{other}"] = "crashed its trial"
+    assert getattr(guarded, op)(*args) == universal
+    assert getattr(guarded, op)(*args, kernel=universal) == universal
+    with pytest.raises(ValueError, match=f"kernel='{other}' failed on this device"):
+        getattr(guarded, op)(*args, kernel=other)
+    guarded.failed[f"{op}:{universal}"] = "hung its trial"
+    assert getattr(guarded, op)(*args) == "reference"
+    guarded.failed.clear()
+    no_image.update({"auto", other})  # the dispatch rule's pick cannot launch on this card
+    assert getattr(guarded, op)(*args) == universal  # marked failed, and the call ran again around it
+    assert recorded == [f"{op}:{other}"] and set(guarded.failed) == {f"{op}:{other}"}
+    with pytest.raises(ValueError, match="failed on this device"):  # forced, it is refused from now on
+        getattr(guarded, op)(*args, kernel=other)
 
 
 def test_a_launch_error_fails_the_kernel_once_and_reruns_the_call_on_the_reference():
@@ -170,7 +228,7 @@ def test_a_trial_process_that_cannot_start_makes_the_trials_unavailable_not_the_
     monkeypatch.setattr(trial.sys, "executable", "/bin/false")
     monkeypatch.setattr(trial, "START_RETRY_S", 0.0)
     report = trial.tune_in_trials(tiny.trunk, CONFIG, "off", [], {"test": 3})
-    expected = {f"{op}:cpu" for op in GUARDED_OPS} | {"paged_attention:cpu"}
+    expected = {f"{op}:cpu" for op in GUARDED_OPS} | {"paged_attention:cpu", "gated_delta_rule_chunk:cpu"}
     assert set(report.failures) == expected and not report.cacheable
     assert report.trials.startswith("unavailable: crashed its trial process (exit 1)"), report.trials
     assert all(why.startswith("untried: the kernel trials were unavailable") for why in report.failures.values())

@@ -223,6 +223,9 @@ class Trunk:
         # Set by the start-up autotune (clef_cuda.serving.autotune): batch -> the attention implementation
         # to run, (query, key_cache, value_cache, batch) -> out. None: self.ops.paged_attention.
         self.attention_choice: Callable[[ChunkBatch], Callable] | None = None
+        # Set by the autotune on a GPU: batch -> the delta rule kernel gated_delta_rule_chunk runs ("serial",
+        # "chunked"). None: "auto", the op's dispatch rule.
+        self.delta_rule_choice: Callable[[ChunkBatch], str] | None = None
         # int8 weights: how a step of n rows runs each GEMM, the first (max rows, impl) with n <= max rows: "fused"
         # (ops.int8_linear: the int8 weights read once, no scratch), "dequantize+gemm", or "int8pack_mm" (torch's
         # CPU kernel). The autotune measures where each wins on the device.
@@ -504,8 +507,18 @@ class Trunk:
         v = conv[:, 2 * c.key_dim :].view(n, hv, dv)
         beta = torch.sigmoid(b.float())
         g = -w.decay_rate * F.softplus(a.float() + w.dt_bias)
+        kernel = self.delta_rule_choice(batch) if self.delta_rule_choice is not None else "auto"
         core = self.ops.gated_delta_rule_chunk(
-            q, k, v, g, beta, cache.gdr_states[i], batch.cu_seqlens, batch.state_slots, batch.has_initial_state
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cache.gdr_states[i],
+            batch.cu_seqlens,
+            batch.state_slots,
+            batch.has_initial_state,
+            kernel=kernel,
         )
         gated = self.ops.gated_rms_norm(core.view(n, hv, dv), z, w.norm_weight, c.rms_norm_eps)  # [N, Hv Dv]
         return self._linear(gated, w.out_proj, lora, index, "out_proj")

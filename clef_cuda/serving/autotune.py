@@ -11,6 +11,8 @@ device decides. Ops and candidates:
   (clef_cuda.sdpa).
 - int8_linear (with --quantize int8), per step size: the fused W8A16 kernel (up to 64 rows), dequantize + GEMM,
   and on the CPU torch._weight_int8pack_mm.
+- gated_delta_rule_chunk on a GPU, per prefill step shape (records x tokens each): the token-serial kernel and the
+  chunked tensor-core one (where the device and dtype have it), at the model's delta-net shapes.
 
 Buckets (`fast`): a prefill chunk at 1k, 4k and 16k tokens of context with one record, the same 1k chunk with
 --max-num-seqs records, a 64-token chunk after a 4k cached prefix, and a decode pack of --max-num-seqs
@@ -431,6 +433,130 @@ def tune_attention(
             report.rows.append(Row("paged_attention", bucket.name, name, ms, "chosen" if name == chosen else "ok"))
 
 
+# ---- the delta rule ------------------------------------------------------------------------------------
+DELTA_RULE_KERNELS = ("serial", "chunked")
+
+
+@dataclass(frozen=True)
+class DeltaRuleBucket:
+    name: str
+    records: int
+    tokens: int  # each record's
+
+
+def delta_rule_buckets(config) -> list[DeltaRuleBucket]:
+    """Prefill steps of the delta rule: one record of 64 tokens and of a whole prefill chunk, --max-num-seqs
+    records sharing a chunk, and --max-num-seqs short chunks (16 tokens each: prefix-cache hits, chunk tails)."""
+    chunk, many = max(1, config.prefill_chunk_size), max(1, config.max_num_seqs)
+    shapes = [(1, min(64, chunk)), (1, chunk), (many, max(1, chunk // many)), (many, 16)]
+    unique = {
+        f"{tokens} x{records}": DeltaRuleBucket(f"{tokens} x{records}", records, tokens) for records, tokens in shapes
+    }
+    return list(unique.values())
+
+
+def nearest_delta_rule_bucket(buckets: list[DeltaRuleBucket], q_lens: tuple[int, ...]) -> DeltaRuleBucket:
+    records, tokens = max(1, len(q_lens)), max(1.0, sum(q_lens) / max(1, len(q_lens)))
+
+    def distance(b: DeltaRuleBucket) -> tuple[float, float]:
+        return (abs(math.log(b.records) - math.log(records)), abs(math.log(b.tokens) - math.log(tokens)))
+
+    return min(buckets, key=distance)
+
+
+class DeltaRulePolicy:
+    """trunk.delta_rule_choice: the kernel chosen for the batch's nearest bucket; "auto" where none was, or where
+    the chosen one has failed since (`failed`: the guarded library's, which steers "auto" around it)."""
+
+    def __init__(self, buckets: list[DeltaRuleBucket], choices: dict[str, str], failed: dict[str, str] | None = None):
+        self.buckets = [b for b in buckets if b.name in choices]
+        self.choices = choices
+        self.failed = failed if failed is not None else {}
+
+    def __call__(self, batch: ChunkBatch) -> str:
+        if not self.buckets or not batch.q_lens:
+            return "auto"
+        kernel = self.choices[nearest_delta_rule_bucket(self.buckets, batch.q_lens).name]
+        return "auto" if f"gated_delta_rule_chunk:{kernel}" in self.failed else kernel
+
+
+def _delta_rule_inputs(target: TuneTarget, records: int, tokens: int, generator) -> tuple:
+    """A pack of `records` sequences of `tokens` each at the model's delta-net shapes, with initial states."""
+    c, device, dtype = target.config, target.device, target.dtype
+    n = records * tokens
+    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    mixed = torch.randn(n, 2 * hk * dk + hv * dv, generator=generator).to(device, dtype)
+    q = mixed[:, : hk * dk].view(n, hk, dk)
+    k = mixed[:, hk * dk : 2 * hk * dk].view(n, hk, dk)
+    v = mixed[:, 2 * hk * dk :].view(n, hv, dv)
+    g = (-3.0 * torch.rand(n, hv, generator=generator)).to(device)
+    beta = torch.rand(n, hv, generator=generator).to(device)
+    states = (0.3 * torch.randn(records, hv, dk, dv, generator=generator)).to(device)
+    cu = torch.arange(0, n + 1, tokens, dtype=torch.int32, device=device)
+    slots = torch.arange(records, dtype=torch.int32, device=device)
+    initial = torch.ones(records, dtype=torch.bool, device=device)
+    return q, k, v, g, beta, states, cu, slots, initial
+
+
+def tune_delta_rule(target: TuneTarget, config, mode: str, report: AutotuneReport, trial: Trial = no_trial) -> None:
+    """On a GPU: each delta rule kernel the device has (the self-check's delta_rule_kernels: not failed, runnable
+    at the model's shapes and dtype) is checked against the reference (the self-check's packs, at its
+    tolerances), then the ones that pass are timed per bucket (delta_rule_buckets), each run a trial unit named
+    by its kernel; a bucket runs the fastest. The CPU has one implementation: nothing to tune."""
+    from clef_cuda.serving.selfcheck import _SelfCheck
+
+    op = "gated_delta_rule_chunk"
+    check = _SelfCheck(target.ops, target.config, target.dtype, target.device, 16, 0)
+    failures = getattr(target.ops, "failed", {}) | report.failures
+    candidates = [k for k in check.delta_rule_kernels() if k in DELTA_RULE_KERNELS and f"{op}:{k}" not in failures]
+    if len(candidates) < 2:  # nothing to choose between
+        return
+    eligible = []
+    for kernel in candidates:
+        try:
+            with trial(f"{op}:{kernel}"):
+                checks = check.gdr_chunk(kernel)
+            if all(check.passed for check in checks):
+                eligible.append(kernel)
+            else:
+                report.rows.append(Row(op, "verify", kernel, None, "failed its check: the reference"))
+        except Exception as error:  # a kernel this device or dtype lacks (Pascal, bf16 before sm_80) says so
+            report.rows.append(Row(op, "verify", kernel, None, _raised(error)))
+    if not eligible:
+        return
+    generator = torch.Generator().manual_seed(4)
+    rtol = OP_RTOL.get(target.dtype, OP_RTOL[torch.bfloat16])
+    choices = report.choices.setdefault(op, {})
+    started = time.monotonic()
+    for bucket in delta_rule_buckets(config):
+        if time.monotonic() - started > BUDGET_SECONDS[mode]:
+            report.rows.append(Row(op, bucket.name, "auto", None, f"untimed: past the {mode} budget"))
+            continue
+        inputs = _delta_rule_inputs(target, bucket.records, bucket.tokens, generator)
+        timings: dict[str, float] = {}
+        first_out = None
+        for kernel in eligible:
+            # each kernel its own states (the rule is contractive: repeated runs stay bounded)
+            args = (*inputs[:5], inputs[5].clone(), *inputs[6:])
+            run = functools.partial(target.ops.gated_delta_rule_chunk, *args, kernel=kernel)
+            try:
+                with trial(f"{op}:{kernel}"):
+                    out = run()
+                    if first_out is not None and not within(out, first_out, 2 * rtol):
+                        report.rows.append(Row(op, bucket.name, kernel, None, f"failed its check: {eligible[0]}"))
+                        continue
+                    first_out = out if first_out is None else first_out
+                    timings[kernel] = _median_ms(run, REPEATS[mode], target.device, kernel)
+            except Exception as error:
+                report.rows.append(Row(op, bucket.name, kernel, None, _raised(error)))
+        if not timings:
+            continue
+        chosen = min(timings, key=timings.get)
+        choices[bucket.name] = chosen
+        for kernel, ms in timings.items():
+            report.rows.append(Row(op, bucket.name, kernel, ms, "chosen" if kernel == chosen else "ok"))
+
+
 def int8_buckets(config) -> list[tuple[str, int]]:
     """(bucket, rows a step): a decode token, a short chunk, the fused kernel's most rows, a prefill step."""
     prefill = min(config.max_num_seqs * config.prefill_chunk_size, 4096)
@@ -558,6 +684,10 @@ def cache_key(trunk: Trunk, config, mode: str, buckets: list[Bucket]) -> dict:
         "quantized": trunk.quantized,
         "shapes": [c.num_attention_heads, c.num_key_value_heads, c.head_dim, config.block_size],
         "buckets": [asdict(b) for b in buckets],
+        "delta_rule": [
+            [c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim],
+            [asdict(b) for b in delta_rule_buckets(config)] if mode != "off" else [],
+        ],
     }
 
 
@@ -599,6 +729,8 @@ def autotune(
             report = AutotuneReport(mode, key)
             with torch.inference_mode():
                 tune_attention(TuneTarget.of(trunk), buckets, mode, config.block_size, report)
+                if mode != "off":
+                    tune_delta_rule(TuneTarget.of(trunk), config, mode, report)
                 if trunk.quantized and mode != "off":  # (a trial process tunes it there, on its shape)
                     tune_int8_linear(TuneTarget.of(trunk), int8_tuning_weight(trunk), config, mode, report)
         report.seconds = time.monotonic() - started
@@ -656,6 +788,13 @@ def install(
         if candidate_kernel(candidate) not in report.failures
     }
     trunk.attention_choice = AttentionPolicy(buckets, attention, attributed_candidates(trunk))
+    delta_rule = {
+        bucket: kernel
+        for bucket, kernel in report.choices.get("gated_delta_rule_chunk", {}).items()
+        if f"gated_delta_rule_chunk:{kernel}" not in report.failures
+    }
+    use = delta_rule and config is not None
+    trunk.delta_rule_choice = DeltaRulePolicy(delta_rule_buckets(config), delta_rule, trunk.ops.failed) if use else None
     int8 = report.choices.get("int8_linear", {}) if config is not None else {}
     if f"int8_linear:{trunk.device.type}" in report.failures:  # the guarded library would run the reference
         int8 = {bucket: impl for bucket, impl in int8.items() if impl != "fused"}

@@ -189,7 +189,9 @@ class Engine:
         )
         if config.shadow.enabled:  # a shadow run's own slot and scores (its KV blocks are lent from the pool)
             trunk, dtype = decider.trunk.config, decider.trunk.dtype
-            step = step_activation_bytes(trunk, dtype, config.max_num_seqs * config.prefill_chunk_size)
+            step = step_activation_bytes(
+                trunk, dtype, config.max_num_seqs * config.prefill_chunk_size, config.max_num_seqs
+            )
             reserved += shadow_run_bytes(trunk, dtype, config.max_model_len, step)
         self.plan = plan_memory(decider, config, reserved)
         # Slots [0, running) hold running sequences; [running, running + snapshots) prefix snapshots; one more the

@@ -4,8 +4,9 @@ from running, and a CUDA fault named by the kernel that raised it.
 A kernel "fails" when it crashed or hung its trial process, left a sticky CUDA error there, could not
 launch (no kernel image for this card, too many resources), or faulted while serving (clef_cuda.serving.trial,
 the autotune's cache). Its op then runs the reference twin (clef_cuda.reference: pure torch, the same
-signature): slower, right. paged_attention's "auto" dispatch is steered to the SIMT kernel when the tensor-core
-one failed (and to the reference when both did); a forced failed kernel is a ValueError.
+signature): slower, right. The ops with a choice of CUDA kernels are steered around a failed one: paged_attention's
+"auto" to the SIMT kernel when a tensor-core one failed, gated_delta_rule_chunk's to the token-serial kernel when
+the chunked one failed (each to the reference when both did); a forced failed kernel is a ValueError.
 
 What a CUDA error means is clef_cuda.serving.cuda_errors' to say, from the error itself. A launch error (no
 kernel image for this card, too many resources) leaves the context usable: the kernel is marked failed (and the
@@ -32,8 +33,14 @@ from clef_cuda.serving.cuda_errors import LAUNCH, STICKY, classify, first_line
 
 log = logging.getLogger("clef_cuda.serving.guarded_ops")
 
-# The ops the trunk, the self-check and the autotune call, besides paged_attention (a choice of kernels).
-GUARDED_OPS = tuple(op for op in KERNEL_OPS if op != "paged_attention")
+# Ops with a choice of CUDA kernels: the op that says which one "auto" runs (and the arguments it takes, by
+# position in the op's), and the kernel that runs every call the others can.
+KERNEL_CHOICES = {
+    "paged_attention": ("paged_attention_dispatch", (0, 1, 2, 3, 4, 5), "simt"),
+    "gated_delta_rule_chunk": ("gated_delta_rule_dispatch", (0, 2, 6), "serial"),
+}
+# The ops the trunk, the self-check and the autotune call, besides those (one kernel a device).
+GUARDED_OPS = tuple(op for op in KERNEL_OPS if op not in KERNEL_CHOICES)
 
 
 class KernelFault(RuntimeError):
@@ -111,49 +118,58 @@ class GuardedOps:
         if self.on_failure is not None:
             self.on_failure(kernel, why)
 
-    # ---- paged attention: a choice of kernels -------------------------------------------------------
+    # ---- ops with a choice of kernels -----------------------------------------------------------------
     def paged_attention(self, query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables, **kwargs):
         args = (query, key_cache, value_cache, cu_seqlens_q, context_lens, block_tables)
-        if query.device.type != "cuda":
-            return self._call("paged_attention", "paged_attention:cpu", args, kwargs)
+        return self._choice("paged_attention", args, kwargs)
+
+    def gated_delta_rule_chunk(self, q, k, v, g, beta, states, cu_seqlens, state_indices, has_initial_state, **kwargs):
+        args = (q, k, v, g, beta, states, cu_seqlens, state_indices, has_initial_state)
+        return self._choice("gated_delta_rule_chunk", args, kwargs)
+
+    def _choice(self, op: str, args, kwargs):
+        if args[0].device.type != "cuda":
+            return self._call(op, f"{op}:cpu", args, kwargs)
         requested = kwargs.pop("kernel", "auto")
-        kernel = self._attention_kernel(args, requested)
+        kernel = self._steered(op, args, requested)
         if kernel is None:
-            return self.fallback.paged_attention(*args, **kwargs)
-        self.last_launch = f"paged_attention:{kernel}"
+            return getattr(self.fallback, op)(*args, **kwargs)
+        self.last_launch = f"{op}:{kernel}"
         try:
-            return self.base.paged_attention(*args, kernel=kernel, **kwargs)
+            return getattr(self.base, op)(*args, kernel=kernel, **kwargs)
         except Exception as error:
             kind = classify(error)
             if kind not in (STICKY, LAUNCH):
                 raise
-            name = self._dispatched(args) if kernel == "auto" else f"paged_attention:{kernel}"
+            name = self._dispatched(op, args) if kernel == "auto" else f"{op}:{kernel}"
             if kind == STICKY:
                 raise KernelFault(name, first_line(error)) from error
             self.mark_failed(name, f"could not launch: {first_line(error)}")
-            return self.paged_attention(*args, kernel=requested, **kwargs)  # steered around it now
+            return self._choice(op, args, dict(kwargs, kernel=requested))  # steered around it now
 
-    def _attention_kernel(self, args, requested: str) -> str | None:
+    def _steered(self, op: str, args, requested: str) -> str | None:
         """The kernel to force ("auto" when nothing failed), or None: run the reference."""
+        universal = KERNEL_CHOICES[op][2]
         if requested != "auto":
-            name = f"paged_attention:{requested}"
+            name = f"{op}:{requested}"
             if name in self.failed:
-                raise ValueError(f"paged_attention: kernel={requested!r} failed on this device: {self.failed[name]}")
+                raise ValueError(f"{op}: kernel={requested!r} failed on this device: {self.failed[name]}")
             return requested
-        if "paged_attention:auto" in self.failed:
+        if f"{op}:auto" in self.failed:
             return None
-        if not any(name.startswith("paged_attention:") for name in self.failed):
+        if not any(name.startswith(f"{op}:") for name in self.failed):
             return "auto"
-        # The dispatch rule's pick, steered around a failed kernel: the SIMT kernel runs every call the
-        # tensor-core one can; with both failed, the reference.
-        picked = self.base.paged_attention_dispatch(*args)
-        if f"paged_attention:{picked}" not in self.failed:
+        # The dispatch rule's pick, steered around a failed kernel: the universal one (SIMT attention, the
+        # serial delta rule) runs every call the others can; with it failed too, the reference.
+        picked = self._dispatched(op, args).split(":", 1)[1]
+        if f"{op}:{picked}" not in self.failed:
             return picked
-        return None if picked == "simt" or "paged_attention:simt" in self.failed else "simt"
+        return None if picked == universal or f"{op}:{universal}" in self.failed else universal
 
-    def _dispatched(self, args) -> str:
-        """'paged_attention:<the kernel auto ran>' (a host-side question, answerable after a fault)."""
+    def _dispatched(self, op: str, args) -> str:
+        """'op:<the kernel auto runs>' (a host-side question, answerable after a fault)."""
+        dispatch, positions, _ = KERNEL_CHOICES[op]
         try:
-            return f"paged_attention:{self.base.paged_attention_dispatch(*args)}"
+            return f"{op}:{getattr(self.base, dispatch)(*(args[i] for i in positions))}"
         except Exception:
-            return "paged_attention:auto"
+            return f"{op}:auto"

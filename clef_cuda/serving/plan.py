@@ -117,16 +117,31 @@ def plan_cache(trunk: TrunkConfig, dtype: torch.dtype, config, free_bytes: int, 
     return CachePlan(budget, slot_bytes, block_bytes, running, snapshots, blocks, snapshot_budget)
 
 
-def step_activation_bytes(trunk: TrunkConfig, dtype: torch.dtype, tokens: int) -> int:
-    """The largest temporaries of one trunk step over `tokens` packed tokens (an estimate from the trunk's
-    code: the fp32 residual stream and its norms, plus the widest layer's projections and fp32 copies)."""
+def delta_rule_workspace_bytes(trunk: TrunkConfig, dtype: torch.dtype, tokens: int, sequences: int = 1) -> int:
+    """The chunked delta rule kernel's workspace for a step of `tokens` tokens over `sequences` sequences (the
+    CUDA kernel's gdr_chunked_workspace, csrc/gated_delta_rule/gated_delta_rule.h): per token and value head
+    its cumulative decay (fp32), W and U rows; per 64-token chunk and value head the state at its start. Only
+    f16/bf16 run that kernel: 0 otherwise."""
+    width = dtype_bytes(dtype)
+    if width != 2 or not trunk.linear_layers:
+        return 0
+    hv, d = trunk.linear_num_value_heads, trunk.linear_value_head_dim
+    chunks = -(-tokens // 64) + sequences
+    return tokens * hv * (4 + 2 * d * width) + chunks * hv * (d * d * width + d // 16 * 4)
+
+
+def step_activation_bytes(trunk: TrunkConfig, dtype: torch.dtype, tokens: int, sequences: int = 1) -> int:
+    """The largest temporaries of one trunk step over `tokens` packed tokens of `sequences` sequences (an estimate
+    from the trunk's code: the fp32 residual stream and its norms, plus the widest layer's projections and fp32
+    copies, the delta net's with the chunked kernel's workspace)."""
     c, width = trunk, dtype_bytes(dtype)
     residual = 3 * tokens * c.hidden_size * 4  # x, its fp32 norm, the layer's fp32 output
     mlp = tokens * 2 * c.intermediate_size * width
     layers = [mlp]
     if c.linear_layers:
         in_proj = c.conv_dim + c.value_dim + 2 * c.linear_num_value_heads
-        layers.append(tokens * (in_proj + c.conv_dim) * width + 4 * tokens * c.value_dim * 4)
+        workspace = delta_rule_workspace_bytes(c, dtype, tokens, sequences)
+        layers.append(tokens * (in_proj + c.conv_dim) * width + 4 * tokens * c.value_dim * 4 + workspace)
     if c.attention_layers:
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         layers.append(tokens * (2 * q + 2 * kv) * width + 2 * tokens * (2 * q + 2 * kv) * 4)
@@ -360,7 +375,7 @@ def plan_serving(
     fused = largest_quantized_weight(config) * (1 if quantize == "int8" else dtype_bytes(dtype))
     transient = fused + (QUANTIZE_TRANSIENT_BYTES if quantize == "int8" else 0)
     tokens = engine_config.max_num_seqs * engine_config.prefill_chunk_size
-    trunk_step = step_activation_bytes(config.trunk, dtype, tokens)
+    trunk_step = step_activation_bytes(config.trunk, dtype, tokens, engine_config.max_num_seqs)
     vision_step = patches = 0
     if has_vision:
         processor = load_processor_config(release)

@@ -10,7 +10,8 @@ clef_cuda.reference on the same inputs:
 - causal_conv1d_fwd, each channel band on its own (q, k, v: the key band by name) and the conv history it
   leaves; causal_conv1d_update;
 - gated_delta_rule_chunk over a sequence longer than the reference's 64-token chunk, with initial states
-  and Hv = r Hk as configured, and the states it leaves; gated_delta_rule_recurrent;
+  and Hv = r Hk as configured, and the states it leaves, on a GPU through each of its kernels the device runs
+  (the token-serial one, and the chunked tensor-core one over 1, 2 and 3 chunks); gated_delta_rule_recurrent;
 - reshape_and_cache, then paged_attention over a cached prefix plus a new chunk, a fresh prefill and a
   decode token, GQA at the model's head dim (on a GPU in f16, or bf16 from sm_80, at head dims 64/128/256
   this pack runs the tensor-core kernel), and a pack of decode tokens only (the SIMT kernel on a GPU);
@@ -56,8 +57,10 @@ Tensor = torch.Tensor
 # caught in f16 and, in bf16 (whose own rounding is 0.8%), one of about 2%. In fp32 only the order of the
 # sums differs (~1e-6 relative at these lengths); rtol allows 1e-5. The delta-rule states are fp32 in
 # every serving dtype and leave 70 steps of the recurrence (the op) against the chunked form (the
-# reference): STATE_RTOL. A layer check passes the op outputs through the layer's own roundings (norms,
-# gates, the projections in the serving dtype): LAYER_FACTOR x the op's rtol. KV-cache writes are copies:
+# reference): STATE_RTOL. The chunked CUDA kernel's states are fp32 too but sum products of operands rounded
+# once to the serving dtype (normalised keys, the decayed deltas): its states get the op's rtol. A layer check
+# passes the op outputs through the layer's own roundings (norms, gates, the projections in the serving
+# dtype): LAYER_FACTOR x the op's rtol. KV-cache writes are copies:
 # exact.
 OP_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 STATE_RTOL = 1e-4
@@ -66,6 +69,7 @@ LAYER_FACTOR = 2.0
 # Sequence lengths: one longer than the reference's 64-token delta-rule chunk, a single token (the
 # smallest pack entry) and a short one; prefix, chunk and decode lengths for attention.
 PACK_LENGTHS = (70, 1, 5)
+CHUNKED_PACK_LENGTHS = (150, 1, 70)  # the chunked delta rule: 3 chunks (a tail), one token, 2 chunks
 ATTENTION_PREFIX, ATTENTION_CHUNK, ATTENTION_FRESH, ATTENTION_DECODE_CONTEXT = 37, 13, 20, 40
 LAYER_STEPS = ((70, 5), (9, 1))  # two prefill steps of two sequences: the second continues the first
 
@@ -217,14 +221,17 @@ def op_trial_units(target, block_size: int, quantized: bool, seed: int = 0) -> l
     units = [
         ("causal_conv1d_fwd", check.conv_fwd),
         ("causal_conv1d_update", check.conv_update),
-        ("gated_delta_rule_chunk", check.gdr_chunk),
         ("gated_delta_rule_recurrent", check.gdr_recurrent),
         ("reshape_and_cache", lambda: [check.cache_write()[0]]),
         *check.glue_ops(),
     ]
     if quantized:
         units.append(("dequantize_int8", check.dequantize))
-    return [(f"{op}:{where}", run) for op, run in units]
+    delta_rule = [
+        (f"gated_delta_rule_chunk:{where if kernel == 'auto' else kernel}", functools.partial(check.gdr_chunk, kernel))
+        for kernel in check.delta_rule_kernels()
+    ]
+    return [(f"{op}:{where}", run) for op, run in units] + delta_rule
 
 
 class _SelfCheck:
@@ -246,7 +253,10 @@ class _SelfCheck:
         groups = [
             ("causal_conv1d_fwd", self.conv_fwd),
             ("causal_conv1d_update", self.conv_update),
-            ("gated_delta_rule_chunk", self.gdr_chunk),
+            *(
+                (self.gdr_chunk_name(kernel), functools.partial(self.gdr_chunk, kernel))
+                for kernel in self.delta_rule_kernels()
+            ),
             ("gated_delta_rule_recurrent", self.gdr_recurrent),
             ("paged_attention", self.paged_attention),
             ("glue", self.glue),
@@ -361,19 +371,43 @@ class _SelfCheck:
         shape = (4, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         return self.poisoned(self.randn(*shape, dtype=torch.float32, scale=0.3), *poisoned_slots)
 
-    def gdr_chunk(self) -> list[Check]:
-        n = sum(PACK_LENGTHS)
-        q, k, v, g, beta = self.delta_rule_inputs(n)
+    def delta_rule_kernels(self) -> list[str]:
+        """The chunk op's kernels to prove here: each CUDA kernel the op library runs for the model's shapes and
+        dtype on this device that has not failed its trial ("serial"; "chunked" from sm_70 in f16, sm_80 in
+        bf16); on the CPU, which has one implementation, "auto"."""
+        c, failed = self.config, getattr(self.ops, "failed", {})
+        q = torch.empty(64, c.linear_num_key_heads, c.linear_key_head_dim, dtype=self.dtype, device=self.device)
+        v = torch.empty(64, c.linear_num_value_heads, c.linear_value_head_dim, dtype=self.dtype, device=self.device)
+        kernels = []
+        for kernel in ("serial", "chunked"):
+            if f"gated_delta_rule_chunk:{kernel}" in failed:
+                continue
+            try:
+                self.ops.gated_delta_rule_dispatch(q, v, self.cu_seqlens([64]), kernel)
+            except ValueError:  # the CPU, or a device or dtype without this kernel (Pascal, bf16 before sm_80)
+                continue
+            kernels.append(kernel)
+        return kernels or ["auto"]
+
+    @staticmethod
+    def gdr_chunk_name(kernel: str) -> str:
+        return "gated_delta_rule_chunk" if kernel in ("auto", "serial") else f"gated_delta_rule_chunk.{kernel}"
+
+    def gdr_chunk(self, kernel: str = "auto") -> list[Check]:
+        chunked = kernel == "chunked"
+        lengths = CHUNKED_PACK_LENGTHS if chunked else PACK_LENGTHS
+        q, k, v, g, beta = self.delta_rule_inputs(sum(lengths))
         states = self.gdr_states(1, 2)  # slot 2 starts fresh (not read), slot 1 is nobody's (not written)
         expected_states = states.clone()
-        cu, slots = self.cu_seqlens(PACK_LENGTHS), self.ints([3, 2, 0])
+        cu, slots = self.cu_seqlens(lengths), self.ints([3, 2, 0])
         initial = self.ints([True, False, True], torch.bool)
         out = torch.full(v.shape, float("nan"), dtype=self.dtype, device=self.device)
-        self.ops.gated_delta_rule_chunk(q, k, v, g, beta, states, cu, slots, initial, out=out)
+        self.ops.gated_delta_rule_chunk(q, k, v, g, beta, states, cu, slots, initial, out=out, kernel=kernel)
         expected = reference.gated_delta_rule_chunk(q, k, v, g, beta, expected_states, cu, slots, initial)
+        name = self.gdr_chunk_name(kernel)
         return [
-            self.compare("gated_delta_rule_chunk", out, expected, self.rtol),
-            self.compare("gated_delta_rule_chunk.states", states, expected_states, STATE_RTOL),
+            self.compare(name, out, expected, self.rtol),
+            self.compare(f"{name}.states", states, expected_states, self.rtol if chunked else STATE_RTOL),
         ]
 
     def gdr_recurrent(self) -> list[Check]:

@@ -9,13 +9,13 @@ clef_cuda.serving.trial` (clef_cuda.serving.children: the start budget, reaped o
 model's config alone (no weights; the whole card is the parent's minus what it loaded), runs everything the
 server will run:
 
-1. each op's kernel (conv, delta rule, cache write, the fused glue, int8 dequantize and the fused int8 GEMM) on
-   the self-check's inputs at the model's shapes (clef_cuda.serving.selfcheck),
+1. each op's kernel (conv, each delta rule kernel, cache write, the fused glue, int8 dequantize and the fused int8
+   GEMM) on the self-check's inputs at the model's shapes (clef_cuda.serving.selfcheck),
 2. the self-check's real-layer checks, one delta net and one attention layer through the ops, on random weights
    of the model's layer shapes (int8 with --quantize int8),
 3. the start-up autotune's attention candidates (each forced kernel, ours, torch's SDPA backends, verified
-   against the reference and timed per bucket) and, with int8 weights, its int8 GEMM candidates on a random
-   weight of the model's largest shape,
+   against the reference and timed per bucket), its delta rule kernels (serial, chunked) the same way and, with
+   int8 weights, its int8 GEMM candidates on a random weight of the model's largest shape,
 
 announcing each unit on stdout before it runs it, each of our kernels as it launches, and synchronising the
 device after each. The parent reads the announcements: when the child dies (a signal, an exit), hangs past
@@ -45,13 +45,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
 
 import torch
 
 from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, TrunkConfig
 from clef_cuda.serving.children import START_TIMEOUT_S, Child, die_with_parent
 from clef_cuda.serving.cuda_errors import LAUNCH, OUT_OF_MEMORY, STICKY, TRANSIENT, classify, first_line
-from clef_cuda.serving.guarded_ops import GUARDED_OPS, GuardedOps, KernelFault
+from clef_cuda.serving.guarded_ops import GUARDED_OPS, KERNEL_CHOICES, GuardedOps, KernelFault
 
 log = logging.getLogger("clef_cuda.serving.trial")
 
@@ -160,7 +161,12 @@ def _unavailable(trunk, mode: str, key: dict, failures: dict[str, str], passed: 
 def all_kernels(device: torch.device) -> list[str]:
     where = "cuda" if device.type == "cuda" else "cpu"
     attention = ["auto", "simt", "wmma", "wmma2"] if where == "cuda" else ["cpu"]
-    return [f"{op}:{where}" for op in GUARDED_OPS] + [f"paged_attention:{k}" for k in attention]
+    delta_rule = ["auto", "serial", "chunked"] if where == "cuda" else ["cpu"]
+    return (
+        [f"{op}:{where}" for op in GUARDED_OPS]
+        + [f"paged_attention:{k}" for k in attention]
+        + [f"gated_delta_rule_chunk:{k}" for k in delta_rule]
+    )
 
 
 def run_child(spec: dict) -> ChildOutcome:
@@ -293,17 +299,18 @@ class _AnnouncedOps:
 
     def __getattr__(self, name: str):
         target = getattr(self.base, name)
-        if name not in GUARDED_OPS and name != "paged_attention":
+        if name not in GUARDED_OPS and name not in KERNEL_CHOICES:
             return target
 
         def run(*args, **kwargs):
             where = "cuda" if self.announce.device.type == "cuda" else "cpu"
-            kernel = f"{name}:{where}" if name != "paged_attention" or where == "cpu" else None
-            if kernel is None:
+            kernel = f"{name}:{where}"
+            if name in KERNEL_CHOICES and where == "cuda":  # the kernel this call runs, by name
                 chosen = kwargs.get("kernel", "auto")
-                kernel = (
-                    f"paged_attention:{self.base.paged_attention_dispatch(*args[:6]) if chosen == 'auto' else chosen}"
-                )
+                if chosen == "auto":
+                    dispatch, positions, _ = KERNEL_CHOICES[name]
+                    chosen = getattr(self.base, dispatch)(*(args[i] for i in positions))
+                kernel = f"{name}:{chosen}"
             self.announce.emit(event="launch", kernel=kernel)
             out = target(*args, **kwargs)
             self.announce.synchronize()
@@ -364,6 +371,7 @@ def main() -> int:
         TuneTarget,
         random_int8_weight,
         tune_attention,
+        tune_delta_rule,
         tune_int8_linear,
     )
     from clef_cuda.serving.selfcheck import _SelfCheck, op_trial_units
@@ -403,12 +411,12 @@ def main() -> int:
         del layers
         buckets = [Bucket(**b) for b in spec["buckets"]]
         tune_attention(target, buckets, spec["mode"], spec["block_size"], report, trial=announce)
+        step_config = SimpleNamespace(**spec["int8_config"])  # --max-num-seqs, --prefill-chunk-size
+        if spec["mode"] != "off":
+            tune_delta_rule(target, step_config, spec["mode"], report, trial=announce)
         if spec["int8_shape"] is not None and spec["mode"] != "off":
             weight = random_int8_weight(tuple(spec["int8_shape"]), dtype, device)
-            from types import SimpleNamespace
-
-            int8_config = SimpleNamespace(**spec["int8_config"])
-            tune_int8_linear(target, weight, int8_config, spec["mode"], report, trial=announce)
+            tune_int8_linear(target, weight, step_config, spec["mode"], report, trial=announce)
     announce.emit(event="report", report=report.to_json())
     return 0
 

@@ -335,10 +335,13 @@ __device__ __forceinline__ void carry_state(const GatedDeltaRuleParams& p) {
   }
 
   const int chunks = gdr_num_chunks(s.len);
-  for (int c = 0; c < chunks; ++c) {
+  // Valid metadata never numbers a chunk past the workspace's bound; a GPU's cu_seqlens are not checked on the
+  // host (packed_sequence keeps each sequence inside the pack, but garbage ones may overlap), so stop there.
+  const int64_t max_chunks = gdr_max_chunks(p.num_tokens, p.batch);
+  for (int c = 0; c < chunks && first_chunk + c < max_chunks; ++c) {
     const int64_t t0 = s.start + static_cast<int64_t>(c) * C;
     const int n = min_int(C, s.len - c * C);
-    const int64_t chunk = first_chunk + c;  // < max_chunks for any pack check_pack accepts
+    const int64_t chunk = first_chunk + c;
     const int64_t row_stride = static_cast<int64_t>(p.num_v_heads) * D;
     stage_rows<T, D, LDK>(w_s, ws.w + (t0 * p.num_v_heads + hv) * D, row_stride, n);
     stage_rows<T, BV, LDS>(u_s, ws.u + (t0 * p.num_v_heads + hv) * D + col0, row_stride, n);
