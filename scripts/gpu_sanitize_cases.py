@@ -6,7 +6,8 @@ where the test suite would take too long. Exits 1 on a mismatch, naming it.
 - the on-device self-check on a random trunk of clef-flash's layer shapes (benchmarks/selfcheck_cost.py), f16
   and bf16, with int8 weights once: conv (each channel band) and its update, the delta rule's chunk op through
   each of its kernels (token-serial, chunked on tensor cores) and its recurrent op, the cache write, attention on
-  the tensor-core kernel (a prefill pack) and the SIMT one (a decode pack), the five glue ops, int8 dequantize, one real layer of each kind;
+  the tensor-core kernel (a prefill pack) and the SIMT one (a decode pack), the five glue ops, int8 dequantize,
+  one real layer of each kind;
 - once a dtype: tensor-core attention v2 forced, on a pack that fills the GPU (no split) and on one long record
   (a handful of CTAs: the split-context pass and its combine kernel); rms_norm_rope in place (out = x).
 
