@@ -352,23 +352,26 @@ def sim_target(sim_ops, tiny) -> tuning.TuneTarget:
     return tuning.TuneTarget(sim_ops, tiny.trunk.config, torch.device("cpu"), torch.float16)
 
 
-STEPS = SimpleNamespace(max_num_seqs=2, prefill_chunk_size=64)  # buckets "64 x1", "32 x2", "16 x2"
+STEPS = SimpleNamespace(max_num_seqs=2, prefill_chunk_size=32)  # small steps: the simulator runs them
 
 
 def test_the_delta_rule_kernels_are_checked_then_the_faster_runs_per_bucket(sim_ops, tiny, monkeypatch):
-    assert [b.name for b in tuning.delta_rule_buckets(STEPS)] == ["64 x1", "32 x2", "16 x2"]
-    injected = iter([3.0, 1.0, 2.0, 1.5, 1.0, 2.0])  # (serial, chunked) per bucket, in bucket order
+    assert [b.name for b in tuning.delta_rule_buckets(STEPS)] == ["32 x1", "16 x2"]
+    big = tuning.delta_rule_buckets(SimpleNamespace(max_num_seqs=4, prefill_chunk_size=1024))
+    assert [b.name for b in big] == ["64 x1", "1024 x1", "256 x4", "16 x4"]
+    injected = iter([3.0, 1.0, 1.0, 2.0])  # (serial, chunked) per bucket, in bucket order
     monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate, **_: next(injected))
     report = tuning.AutotuneReport("fast", {})
     tuning.tune_delta_rule(sim_target(sim_ops, tiny), STEPS, "fast", report)
     choices = report.choices["gated_delta_rule_chunk"]
-    assert choices == {"64 x1": "chunked", "32 x2": "chunked", "16 x2": "serial"}
+    assert choices == {"32 x1": "chunked", "16 x2": "serial"}
     assert not [r for r in report.rows if r.bucket == "verify"], report.table()  # both passed their checks
 
     policy = tuning.DeltaRulePolicy(tuning.delta_rule_buckets(STEPS), choices)
     assert policy(SimpleNamespace(q_lens=(64,))) == "chunked" and policy(SimpleNamespace(q_lens=(1000,))) == "chunked"
-    assert policy(SimpleNamespace(q_lens=(30, 34))) == "chunked" and policy(SimpleNamespace(q_lens=(9, 20))) == "serial"
-    assert policy(SimpleNamespace(q_lens=())) == "auto"
+    assert policy(SimpleNamespace(q_lens=(9, 20))) == "serial" and policy(SimpleNamespace(q_lens=())) == "auto"
+    nearest = tuning.nearest_delta_rule_bucket(big, (200, 300, 250))
+    assert nearest.name == "256 x4" and tuning.nearest_delta_rule_bucket(big, (700,)).name == "1024 x1"
 
 
 def test_a_delta_rule_kernel_that_fails_its_check_is_never_chosen(sim_ops, tiny, monkeypatch):
@@ -396,7 +399,7 @@ def test_install_gives_the_trunk_the_delta_rule_choices_its_failures_allow(tiny)
     trunk = tiny.trunk
     saved = trunk.ops, trunk.attention_choice, trunk.delta_rule_choice
     try:
-        choices = {"gated_delta_rule_chunk": {"64 x1": "chunked", "16 x2": "serial"}}
+        choices = {"gated_delta_rule_chunk": {"32 x1": "chunked", "16 x2": "serial"}}
         tuning.install(trunk, tuning.AutotuneReport("fast", {}, choices=choices), [], None, STEPS)
         assert trunk.delta_rule_choice(SimpleNamespace(q_lens=(80,))) == "chunked"
         trunk.ops.mark_failed("gated_delta_rule_chunk:chunked", "could not launch: no kernel image")

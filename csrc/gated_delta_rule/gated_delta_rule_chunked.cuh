@@ -130,13 +130,32 @@ __device__ __forceinline__ void stage_normalized_rows(T* dst, const T* src, int6
   }
 }
 
-// Rows r < n of a [tokens][heads][width] workspace array (the columns [col0, col0 + COLS) of one head) into
-// dst [64][LD]; rows >= n zeros.
-template <typename T, int COLS, int LD>
+// Eight values rounded to T and stored as one 16-byte word at dst (16-byte aligned: the workspace's rows, the
+// shared tiles' rows, 8-column halves of 16-column tiles).
+template <typename T>
+__device__ __forceinline__ void store8(T* dst, const float* values) {
+  union {
+    uint4 word;
+    T element[8];
+  } packed;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) packed.element[c] = from_f32<T>(values[c]);
+  store16(dst, packed.word);
+}
+
+// ROWS rows of COLS columns from the workspace (rows row_stride elements apart) into dst [ROWS][LD], 16 bytes at
+// a time: the workspace's base is 256-byte aligned and its rows and column blocks are multiples of 16 columns,
+// so every source row is 16-byte aligned (the simulator checks it). Rows >= n are zeros.
+template <typename T, int ROWS, int COLS, int LD>
 __device__ __forceinline__ void stage_rows(T* dst, const T* src, int64_t row_stride, int n) {
-  for (int e = threadIdx.x; e < kGdrChunk * COLS; e += kGdrChunkThreads) {
-    const int r = e / COLS, c = e % COLS;
-    dst[r * LD + c] = r < n ? src[r * row_stride + c] : from_f32<T>(0.0f);
+  constexpr int VEC = 8;  // 2-byte elements per 16-byte copy
+  static_assert(COLS % VEC == 0 && LD % VEC == 0, "rows must split into 16-byte pieces");
+  for (int e = threadIdx.x; e < ROWS * (COLS / VEC); e += kGdrChunkThreads) {
+    const int r = e / (COLS / VEC), c = (e % (COLS / VEC)) * VEC;
+    if (r < n)
+      copy16(dst + r * LD + c, src + r * row_stride + c);
+    else
+      zero16(dst + r * LD + c);
   }
 }
 
@@ -265,7 +284,12 @@ __device__ __forceinline__ void prepare(const GatedDeltaRuleParams& p) {
     tb_s[t * LDA + s] = from_f32<T>(ts);
   }
   __syncthreads();
-  stage_rows<T, D, LDK>(v_s, static_cast<const T*>(p.v) + gdr_v_offset(t0, hv, p), p.v_token_stride, n);
+  // The values come from the caller's tensor (any token stride): element by element.
+  const T* v_rows = static_cast<const T*>(p.v) + gdr_v_offset(t0, hv, p);
+  for (int e = tid; e < C * D; e += kGdrChunkThreads) {
+    const int r = e / D, d = e % D;
+    v_s[r * LDK + d] = r < n ? v_rows[r * p.v_token_stride + d] : from_f32<T>(0.0f);
+  }
   __syncthreads();
 
   // W = T diag(beta e^G) K and U = T diag(beta) V: warp w's 16 rows, one 16-column tile at a time. Row block w
@@ -279,11 +303,8 @@ __device__ __forceinline__ void prepare(const GatedDeltaRuleParams& p) {
       mma_ab(acc, (which == 0 ? tw_s : tb_s) + 16 * warp * LDA, LDA, (which == 0 ? k_s : v_s) + 16 * jc, LDK,
              warp + 1);
       stage(scratch, acc);
-      if (t < n) {
-        T* dst = (which == 0 ? ws.w : ws.u) + ((t0 + t) * p.num_v_heads + hv) * D + 16 * jc + col;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) dst[c] = from_f32<T>(scratch[row * kGdrScratchLd + col + c]);
-      }
+      if (t < n) store8((which == 0 ? ws.w : ws.u) + ((t0 + t) * p.num_v_heads + hv) * D + 16 * jc + col,
+                        scratch + row * kGdrScratchLd + col);
     }
   }
 }
@@ -343,8 +364,8 @@ __device__ __forceinline__ void carry_state(const GatedDeltaRuleParams& p) {
     const int n = min_int(C, s.len - c * C);
     const int64_t chunk = first_chunk + c;
     const int64_t row_stride = static_cast<int64_t>(p.num_v_heads) * D;
-    stage_rows<T, D, LDK>(w_s, ws.w + (t0 * p.num_v_heads + hv) * D, row_stride, n);
-    stage_rows<T, BV, LDS>(u_s, ws.u + (t0 * p.num_v_heads + hv) * D + col0, row_stride, n);
+    stage_rows<T, C, D, LDK>(w_s, ws.w + (t0 * p.num_v_heads + hv) * D, row_stride, n);
+    stage_rows<T, C, BV, LDS>(u_s, ws.u + (t0 * p.num_v_heads + hv) * D + col0, row_stride, n);
     stage_normalized_rows<T, D, LDK>(k_s, static_cast<const T*>(p.k) + gdr_k_offset(t0, hk, p), p.k_token_stride, n,
                                      p.l2norm_qk, 1.0f);
     if (tid < C) g_s[tid] = tid < n ? ws.gcum[(t0 + tid) * p.num_v_heads + hv] : 0.0f;
@@ -371,12 +392,11 @@ __device__ __forceinline__ void carry_state(const GatedDeltaRuleParams& p) {
       if (tile >= TILES) continue;
       const int i0 = 16 * (tile / COL_TILES), j0 = 16 * (tile % COL_TILES);
       stage(scratch, S[m]);
+      float scaled[8];
 #pragma unroll
-      for (int cc = 0; cc < 8; ++cc) {
-        const T value = from_f32<T>(scratch[row * kGdrScratchLd + col + cc] * scale);
-        s_s[(i0 + row) * LDS + j0 + col + cc] = value;
-        h[(i0 + row) * D + col0 + j0 + col + cc] = value;
-      }
+      for (int cc = 0; cc < 8; ++cc) scaled[cc] = scratch[row * kGdrScratchLd + col + cc] * scale;
+      store8(s_s + (i0 + row) * LDS + j0 + col, scaled);
+      store8(h + (i0 + row) * D + col0 + j0 + col, scaled);
     }
     if (tid < COL_TILES) ws.h_scale[(chunk * p.num_v_heads + hv) * (D / 16) + col0 / 16 + tid] = scale;
     __syncthreads();
@@ -392,14 +412,14 @@ __device__ __forceinline__ void carry_state(const GatedDeltaRuleParams& p) {
       wmma::fill_fragment(acc, 0.0f);
       mma_ab(acc, w_s + 16 * warp * LDK, LDK, s_s + 16 * cb, LDS, D / 16);
       stage(scratch, acc);
-      T* v_new = ws.u + ((t0 + t) * p.num_v_heads + hv) * D + col0 + 16 * cb + col;
+      float value[8], decayed[8];
 #pragma unroll
       for (int cc = 0; cc < 8; ++cc) {
-        const int j = 16 * cb + col + cc;
-        const float value = to_f32(u_s[t * LDS + j]) - scratch[row * kGdrScratchLd + col + cc] * unscale;
-        if (t < n) v_new[cc] = from_f32<T>(value);
-        vd_s[t * LDS + j] = from_f32<T>(value * to_end);
+        value[cc] = to_f32(u_s[t * LDS + 16 * cb + col + cc]) - scratch[row * kGdrScratchLd + col + cc] * unscale;
+        decayed[cc] = value[cc] * to_end;
       }
+      if (t < n) store8(ws.u + ((t0 + t) * p.num_v_heads + hv) * D + col0 + 16 * cb + col, value);
+      store8(vd_s + t * LDS + 16 * cb + col, decayed);
     }
     __syncthreads();
 
@@ -487,8 +507,8 @@ __device__ __forceinline__ void output(const GatedDeltaRuleParams& p) {
 
   for (int oc0 = 0; oc0 < D; oc0 += OC) {
     __syncthreads();  // P is complete and the keys (or the previous pass's columns) are no longer read
-    for (int e = tid; e < D * OC; e += kGdrChunkThreads) h_s[(e / OC) * LDO + e % OC] = h[(e / OC) * D + oc0 + e % OC];
-    stage_rows<T, OC, LDO>(vn_s, ws.u + (t0 * p.num_v_heads + hv) * D + oc0, row_stride, n);
+    stage_rows<T, D, OC, LDO>(h_s, h + oc0, D, D);
+    stage_rows<T, C, OC, LDO>(vn_s, ws.u + (t0 * p.num_v_heads + hv) * D + oc0, row_stride, n);
     if (tid < OC / 16) scale_s[tid] = ws.h_scale[(chunk_index * p.num_v_heads + hv) * (D / 16) + oc0 / 16 + tid];
     __syncthreads();
     for (int jc = 0; jc < OC / 16; ++jc) {
@@ -506,8 +526,12 @@ __device__ __forceinline__ void output(const GatedDeltaRuleParams& p) {
       stage(scratch, acc);
       if (t < n) {
         T* dst = out + gdr_out_offset(t0 + t, hv, p) + oc0 + 16 * jc + col;
+        if (aligned_16_bytes(dst)) {  // the caller's `out`: aligned unless it is an offset view
+          store8(dst, scratch + row * kGdrScratchLd + col);
+        } else {
 #pragma unroll
-        for (int cc = 0; cc < 8; ++cc) dst[cc] = from_f32<T>(scratch[row * kGdrScratchLd + col + cc]);
+          for (int cc = 0; cc < 8; ++cc) dst[cc] = from_f32<T>(scratch[row * kGdrScratchLd + col + cc]);
+        }
       }
     }
   }
