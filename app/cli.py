@@ -513,6 +513,10 @@ def resolve_dtype(args) -> tuple[int, str] | None:
 
     from clef_cuda.decider import serving_dtype
 
+    if getattr(args, "plan", False) and args.gpu_memory is not None:
+        # A plan for a card named by its memory, not this machine's device: its dtype is --dtype, else a GPU's
+        # default (make_plan), whatever this machine would serve in.
+        return None
     device = resolve_device(args.device)
     dtype, why = serving_dtype(device, getattr(torch, DTYPES[args.dtype]) if args.dtype else None)
     args.dtype = next(name for name, value in DTYPES.items() if getattr(torch, value) == dtype)

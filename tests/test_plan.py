@@ -22,6 +22,7 @@ from clef_cuda.serving.plan import (
     GiB,
     auto_vocab_tables,
     delta_rule_workspace_bytes,
+    parse_memory_size,
     plan_cache,
     plan_serving,
     plan_tensor_parallel,
@@ -381,3 +382,128 @@ int main(int, char** argv) {
     assert delta_rule_workspace_bytes(flash, torch.float32, 2048) == 0
     # clef-flash at 2,048 tokens: about 66 MiB (W and U 32 MiB, a state per chunk 33 MiB)
     assert 60 * 2**20 < delta_rule_workspace_bytes(flash, torch.float16, 2048) < 70 * 2**20
+
+
+# ---- restored (lost in a01c80d): the cards a 16 GB plan leaves out, the CLI's exits, sizes, the metrics ----------
+def test_clef_flash_int8_on_an_rtx_3060_at_the_seeds_flags_with_the_tables_on_the_host(flash):
+    """The seed's flags (4 records, --kv-fraction 0.30, 16k tokens) on the 11.75 GiB torch sees of an RTX 3060:
+    not with the vocabulary tables on the device; with them in host memory, one full record of KV; the vision
+    tower's peak over a 16k-token image inside the plan."""
+    seed = dict(max_num_seqs=4, kv_fraction=0.30, prefill_chunk_size=1024)
+    on_device = plan(flash, RTX_3060_GIB, quantize="int8", **seed)
+    hosted = plan(flash, RTX_3060_GIB, quantize="int8", vocab_tables="host", **seed)
+    assert not on_device.fits and hosted.fits, hosted.describe()
+    assert hosted.weights["embeddings"] == 0 and 1.8 * GiB < hosted.host_table_bytes < 2.0 * GiB
+    assert hosted.cache.num_blocks * 16 >= 16384
+    assert hosted.image_patches == 65536 and 1.0 * GiB < hosted.vision_activation_bytes < 2.0 * GiB
+    assert hosted.activation_bytes >= hosted.vision_activation_bytes
+
+
+def test_a_t4_holds_int8_clef_flash_with_the_towers_peak_and_refuses_f16_naming_int8(flash):
+    t4 = plan(flash, T4_GIB, quantize="int8")
+    assert t4.fits and t4.vision_activation_bytes > t4.trunk_activation_bytes
+    assert not plan(flash, T4_GIB).fits
+    result = clef_serve("--w", str(flash), "--plan", "--gpu-memory", f"{T4_GIB}GiB")
+    assert result.returncode == 3 and "--quantize int8" in result.stdout and "would fit" in result.stdout
+
+
+def test_the_load_peak_and_the_context_are_counted_once(flash):
+    """A card's total (--gpu-memory) still has the CUDA context to come out of it; a live device's free memory
+    does not: planning on the same figure both ways differs by the context allowance alone."""
+    from clef_cuda.serving.plan import CUDA_CONTEXT_BYTES, CUDA_WORKSPACE_BYTES
+
+    total = plan(flash, 20, quantize="int8")
+    free = plan_serving(
+        flash,
+        load_release_config(flash),
+        EngineConfig(),
+        20 * GiB,
+        dtype=torch.float16,
+        quantize="int8",
+        on_gpu=True,
+        where="free",
+        context_counted=False,
+    )
+    assert total.overhead_bytes == CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES
+    assert free.overhead_bytes == CUDA_WORKSPACE_BYTES
+    assert total.load_peak_bytes - free.load_peak_bytes == CUDA_CONTEXT_BYTES
+    assert total.load_transient_bytes > 0 and "load peak" in total.describe()
+
+
+def clef_serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_cli_puts_the_tables_on_the_host_when_only_that_fits(flash):
+    """--vocab-tables auto (the default): host when the plan does not fit with them on the device, said in the plan;
+    --vocab-tables device keeps them there and does not fit (exit 3)."""
+    auto = clef_serve("--w", str(flash), "--plan", "--quantize", "int8", "--gpu-memory", f"{RTX_3060_GIB}GiB")
+    assert auto.returncode == 0, auto.stdout + auto.stderr
+    assert "in pinned host memory (--vocab-tables host)" in auto.stdout and "fits: yes" in auto.stdout
+    device = clef_serve(
+        *("--w", str(flash), "--plan", "--quantize", "int8", "--gpu-memory", f"{RTX_3060_GIB}GiB"),
+        *("--vocab-tables", "device"),
+    )
+    assert device.returncode == 3 and "pinned host memory" not in device.stdout
+
+
+def test_plan_exit_codes_and_the_int8_hint(flash):
+    too_small = clef_serve("--w", str(flash), "--plan", "--gpu-memory", "16GiB")
+    assert too_small.returncode == 3, too_small.stderr
+    assert "fits: NO" in too_small.stdout and "--quantize int8 would fit" in too_small.stdout
+    fits = clef_serve("--w", str(flash), "--plan", "--gpu-memory", "16GiB", "--quantize", "int8")
+    assert fits.returncode == 0 and "fits: yes" in fits.stdout and "int8 scratch" in fits.stdout
+    assert "float16 activations" in fits.stdout  # the card named: a GPU's default, whatever this machine serves
+    for part in ("trunk", "vision", "head"):
+        assert part in fits.stdout
+    # the tables: among the weights, or (--vocab-tables auto, where the cache grows) in host memory
+    assert "embeddings" in fits.stdout or "vocab tables" in fits.stdout
+
+
+@pytest.mark.parametrize("shadow", ["off", "enforce"])
+def test_a_model_that_cannot_fit_is_refused_at_start_up_in_one_line(shadow):
+    """A 100M-token record: no KV cache holds it, and a shadow run's reference attention over it would need tens of
+    GiB (one KV head's keys in fp32 alone): the refusal names what does not fit."""
+    result = clef_serve(
+        "--w", str(RELEASES["mid"]()), "--d", "cpu", "--max-model-len", "100000000", "--shadow-mode", shadow
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "error" in line]
+    assert line.startswith("clef-serve: error:") and "needs" in line
+    assert ("KV blocks" if shadow == "off" else "what is reserved beside them") in line, line
+
+
+@pytest.mark.parametrize("value", ["lots", "16 GiB of it", "-3GB", "0"])
+def test_a_bad_gpu_memory_value_is_a_one_line_error(value):
+    result = clef_serve("--plan", f"--gpu-memory={value}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("clef-serve: error: --gpu-memory:")
+    with pytest.raises(ValueError, match="not a memory size"):
+        parse_memory_size(value)
+
+
+def test_memory_sizes_parse_in_every_unit():
+    assert parse_memory_size("16GiB") == 16 * 2**30 and parse_memory_size("12 GB") == 12 * 10**9
+    assert parse_memory_size("512mib") == 2**29 and parse_memory_size("1000") == 1000
+    assert parse_memory_size("1.5 GiB") == 3 * 2**29 and parse_memory_size("2kb") == 2000
+
+
+def test_resident_weights_are_exported_by_part():
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.server import ServerSettings, create_app
+
+    decider = Decider.from_release(RELEASES["upstream-tiny"](), device="cpu", progress=False, quantize="int8")
+    engine = Engine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.02))
+    with TestClient(create_app(ServerSettings(), engine=engine)) as client:
+        text = client.get("/metrics").text
+    samples = {
+        s.labels["part"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "clef_weight_bytes"
+    }
+    assert set(samples) == {"trunk", "embeddings", "vision", "head", "adapters"}
+    assert samples == {**decider.weight_bytes(), "adapters": 0.0}
+    assert samples["vision"] > 0  # the upstream tiny release has a tower
