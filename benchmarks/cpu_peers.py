@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
 """Ours against llama.cpp (the engine under ollama) on the CPU, on the same weights: a 2,048-token prefill of a
 random release at the "mid" shape (benchmarks/decision_latency.py's) and at hidden 2048, 8 layers; ours in f32,
-bf16 and int8, llama.cpp in f32, f16 and Q8_0 from its own converter; 1 and 2 threads, interleaved repeats,
+bf16 and int8, llama.cpp in f32, f16, bf16 and Q8_0 from its own converter; 1 and 2 threads, interleaved repeats,
 medians, every time against llama.cpp's fastest; and each engine's last-token logits against transformers' (f32).
 
     python benchmarks/cpu_peers.py --llama-cpp-src DIR [--markdown benchmarks/RESULTS.md]
+    CLEF_CPU_ISA=avx2 python benchmarks/cpu_peers.py --llama-cpp-src DIR --llama-cpp-lib AVX2_BUILD/bin
+        # an AVX2-only comparison on an AVX-512 machine: our kernels and torch's GEMMs pinned to AVX2, and a
+        # llama.cpp built without AVX-512 (CLEF_CPU_ISA does not reach llama.cpp; the title prints what its
+        # build uses, from llama_print_system_info)
 
 llama.cpp is an optional benchmark dependency, never a test or runtime one:
     pip install llama-cpp-python==0.3.36          # builds llama.cpp for this CPU (-march=native), ~15 min on 2 cores
@@ -26,6 +30,7 @@ import argparse
 import ctypes
 import gc
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -156,10 +161,21 @@ class LlamaCpp:
         return torch.tensor(list(values))
 
 
+def llama_isa(llama_cpp) -> str:
+    """What the loaded llama.cpp build computes with: the instruction sets its CPU backend reports as on."""
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    flags = dict(part.strip().rsplit(" = ", 1) for part in info.split("|") if " = " in part)
+    wanted = ("AVX2", "AVX512", "AVX512_BF16", "AVX512_VNNI", "AVX_VNNI", "AMX_INT8")
+    return "with " + ", ".join(name for name in wanted if flags.get(name) == "1")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp-src", type=Path, help="llama.cpp's source of the installed llama-cpp-python")
     parser.add_argument("--ours-only", action="store_true", help="no llama.cpp: ours against transformers alone")
+    parser.add_argument(
+        "--llama-cpp-lib", type=Path, help="a directory holding another llama.cpp build's libllama.so (e.g. AVX2 only)"
+    )
     parser.add_argument("--shapes", default="mid,hidden-2048", help=f"of {','.join(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--threads", default="1,2")
@@ -171,6 +187,10 @@ def main() -> int:
     if unknown := [s for s in shapes if s not in SHAPES]:
         parser.exit(2, f"cpu_peers: --shapes: unknown shape {unknown[0]!r} (of {', '.join(SHAPES)})\n")
     if not args.ours_only:
+        if args.llama_cpp_lib is not None:
+            if not (args.llama_cpp_lib / "libllama.so").is_file():
+                parser.exit(2, f"cpu_peers: --llama-cpp-lib: no libllama.so in {args.llama_cpp_lib}\n")
+            os.environ["LLAMA_CPP_LIB_PATH"] = str(args.llama_cpp_lib.resolve())  # read when llama_cpp is imported
         if importlib.util.find_spec("llama_cpp") is None:
             parser.exit(2, "cpu_peers: llama_cpp is not installed (pip install llama-cpp-python; or --ours-only)\n")
         if args.llama_cpp_src is None or not (args.llama_cpp_src / "convert_hf_to_gguf.py").is_file():
@@ -205,7 +225,7 @@ def main() -> int:
             ):
                 engines[name] = Ours(release, dtype, quantize, args.tokens, args.autotune)
             if not args.ours_only:
-                for outtype in ("f32", "f16", "q8_0"):
+                for outtype in ("f32", "f16", "bf16", "q8_0"):
                     gguf = convert(args.llama_cpp_src, release, outtype, Path(tmp) / f"{shape}-{outtype}.gguf")
                     engines[f"llama.cpp {outtype.upper()}"] = LlamaCpp(gguf, args.tokens, max(threads))
             errors = {name: (engine.last_logits(ids) - truth).abs().max().item() for name, engine in engines.items()}
@@ -239,7 +259,16 @@ def main() -> int:
             gc.collect()
 
     header = ["shape", "threads", "engine", "s", "tokens/s", "vs llama.cpp's fastest", "max \\|logit - transformers\\|"]
-    title = f"{time.strftime('%Y-%m-%d')}, {cpu}, our CPU kernels {isa}, {args.tokens}-token prefill"
+    from clef_cuda.cpu_features import cpu_gemm_features
+
+    title = (
+        f"{time.strftime('%Y-%m-%d')}, {cpu}, our CPU kernels {isa} (torch's GEMMs: "
+        f"{cpu_gemm_features(isa).describe()}), {args.tokens}-token prefill"
+    )
+    if not args.ours_only:
+        import llama_cpp
+
+        title += f"; llama.cpp {llama_isa(llama_cpp)}"
     lines = decision_latency.markdown_table(f"{title} (python benchmarks/cpu_peers.py)", header, rows)
     decision_latency.publish(lines, args.markdown)
     return 0

@@ -29,3 +29,10 @@ def test_llama_cpp_or_its_converter_missing_is_one_line(tmp_path):
         "cpu_peers: llama_cpp is not installed (pip install llama-cpp-python; or --ours-only)",
         f"cpu_peers: --llama-cpp-src: no convert_hf_to_gguf.py in {tmp_path}",
     ), result.stderr
+
+
+def test_a_llama_cpp_build_without_its_library_is_one_line(tmp_path):
+    result = run("--llama-cpp-src", str(tmp_path), "--llama-cpp-lib", str(tmp_path))
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"cpu_peers: --llama-cpp-lib: no libllama.so in {tmp_path}"
+    ), result.stderr
