@@ -789,6 +789,11 @@ def build_batch_parser() -> argparse.ArgumentParser:
     batch_flags.add_argument(
         "--no-progress", action="store_true", help="no progress bar (the summary is still printed)"
     )
+    batch_flags.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="resuming, ask the rows OUTPUT records as failed again",
+    )
     return parser
 
 
@@ -824,7 +829,16 @@ def batch_main(argv: list[str]) -> int:
     in_flight = args.max_in_flight or 4 * args.max_num_seqs
     try:
         summary = asyncio.run(
-            batch.run(app, source, sink, in_flight, max(args.read_ahead, in_flight), not args.no_progress, log)
+            batch.run(
+                app,
+                source,
+                sink,
+                in_flight,
+                max(args.read_ahead, in_flight),
+                not args.no_progress,
+                log,
+                retry_failed=args.retry_failed,
+            )
         )
     except RuntimeError as error:  # the model never became ready (a failed self-check, a lost rank)
         print(f"{parser.prog}: {error}", file=sys.stderr)
@@ -833,6 +847,13 @@ def batch_main(argv: list[str]) -> int:
         print(f"{parser.prog}: stopped; rerun the same command to resume", file=sys.stderr)
         return batch.EXIT_INTERRUPTED
     print(summary.describe(), file=sys.stderr)
+    if summary.stopped is not None:  # the rows from stopped_at on are unwritten: the rerun asks them
+        print(
+            f"{parser.prog}: stopped: the server refuses to answer (lines from {summary.stopped_at} on not written): "
+            f"{summary.stopped}",
+            file=sys.stderr,
+        )
+        return batch.EXIT_FAILED
     if summary.interrupted:
         return batch.EXIT_INTERRUPTED
     return batch.EXIT_FAILED if summary.failed else 0

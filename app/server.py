@@ -398,7 +398,7 @@ def create_app(
                 )
             return await _systemone(request, confidence="hosted", route_model=model)
 
-        return await _decision(request, decide, workers_ai.envelope)
+        return await _decision(request, decide, lambda response: workers_ai.envelope(response, state.status))
 
     async def _decision(request: Request, decide, present: Callable[[Response], Response] = lambda r: r) -> Response:
         """A decision route's frame: the request id, the in-flight count (a drain waits for it), a fault of ours

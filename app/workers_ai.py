@@ -10,8 +10,10 @@ failure is `{"result": null, "success": false, "errors": [{"code", "message"}], 
 clients document: 400/5006 no questions or an unknown question type, 400/7000 no route for that model, 400/6003
 a body that is not JSON, 422/5012 any other validation failure (an unknown top-level field too, as the hosted
 validator refuses it), 413/5021 too large, 429/3040 capacity (our 503 overload, with Retry-After; a server still
-loading, draining or out of rotation stays 503, with the same code and Retry-After), 401/10000 an unknown token;
-the server's own faults keep their 5xx status with code 5012 ("inference failed").
+loading or draining stays 503, with the same code and Retry-After), 401/10000 an unknown token, and 529/5012
+("inference failed") for every other 5xx: the engine refusing because its verification failed (a shadow
+mismatch, a failed self-check), a model or step error, a timeout, a lost GPU or rank (Retry-After kept where
+our answer had one). /v1/systemone answers those as its contract says (500, or 503 with Retry-After).
 
 Any account id is accepted; the path's model is the served name, an alias or a loaded variant (else 400/7000).
 The route runs the same pipeline as /v1/systemone (app.server): this module only names the route's model,
@@ -33,7 +35,9 @@ HOSTED_FIELDS = frozenset({"model", "state", "questions", "images"})
 NO_QUESTIONS_OR_TYPE = 5006  # 400
 NO_ROUTE = 7000  # 400
 NOT_JSON = 6003  # 400
-VALIDATION = 5012  # 422 (and an inference failure's code)
+VALIDATION = 5012  # 422
+INFERENCE_FAILED = 5012  # 529: the hosted code for an inference that failed (the validation code too)
+INFERENCE_FAILED_STATUS = 529
 TOO_LARGE = 5021  # 413
 CAPACITY = 3040  # 429
 UNKNOWN_TOKEN = 10000  # 401
@@ -42,6 +46,9 @@ UNKNOWN_TOKEN = 10000  # 401
 _BY_STATUS = {401: (401, UNKNOWN_TOKEN), 404: (400, NO_ROUTE), 413: (413, TOO_LARGE), 429: (429, CAPACITY)}
 # Headers a client may read off either route.
 _KEPT_HEADERS = ("retry-after", "x-request-id", "x-clef-prefix-key", "x-clef-prefix-cache", "www-authenticate")
+# The server's statuses (app.server.ServerState) in which a 503 means "come back": nothing failed, the engine is
+# not there yet or any more. In any other, a 5xx is an inference that failed.
+_COMING_OR_GOING = frozenset({"loading", "draining"})
 
 
 def route_model(model_path: str) -> str | None:
@@ -90,8 +97,9 @@ def _where(loc: list) -> str:
     return ".".join(str(part) for part in loc[1:]) or "body"
 
 
-def envelope(response: Response) -> Response:
-    """A /v1/systemone response in the Workers AI form (its headers kept where a client reads them)."""
+def envelope(response: Response, server_status: str = "ready") -> Response:
+    """A /v1/systemone response in the Workers AI form (its headers kept where a client reads them);
+    `server_status`: the server's state as it answered (a 503 while loading or draining is not a failure)."""
     headers = {k: v for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS}
     if "x-request-id" in headers:
         headers["cf-ray"] = headers["x-request-id"]  # what some clients log as the provider's request id
@@ -108,8 +116,10 @@ def envelope(response: Response) -> Response:
         message = detail.get("message", str(body))
         if detail.get("error_type") == "overloaded_error":  # the queue is full: capacity, come back shortly
             status, code = 429, CAPACITY
-        elif response.status_code == 503:  # loading, draining, out of rotation: not capacity, but come back too
+        elif response.status_code == 503 and server_status in _COMING_OR_GOING:  # not capacity, but come back too
             status, code = 503, CAPACITY
+        elif response.status_code >= 500:  # a verification refusal, a model or step error: the inference failed
+            status, code = INFERENCE_FAILED_STATUS, INFERENCE_FAILED
         else:
             status, code = _BY_STATUS.get(response.status_code, (response.status_code, VALIDATION))
     return failure(status, code, message, headers)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import re
 import signal
@@ -148,9 +149,10 @@ def test_the_scheduler_holds_a_states_rows_until_its_first_is_done():
     assert scheduler.size == 0
 
 
-def stub_app(fail_lines=(), busy_lines=(), slow_lines=(), delay=0.0) -> FastAPI:
+def stub_app(fail_lines=(), busy_lines=(), slow_lines=(), delay=0.0, asked=None) -> FastAPI:
     """A server that answers at once (the runner alone is measured): `fail_lines` get a 500, `busy_lines` a
-    503 with Retry-After twice, then their answer; `slow_lines` answer after 0.2 s."""
+    503 with Retry-After twice, then their answer; `slow_lines` answer after 0.2 s; `asked` gets each line
+    asked."""
     app, tries = FastAPI(), {}
 
     @app.get("/ready")
@@ -161,6 +163,8 @@ def stub_app(fail_lines=(), busy_lines=(), slow_lines=(), delay=0.0) -> FastAPI:
     async def decide(request: Request):
         body = await request.json()
         line = body["line"]
+        if asked is not None:
+            asked.append(line)
         if delay:
             await asyncio.sleep(delay * random.random())
         if line in slow_lines:
@@ -259,7 +263,7 @@ def test_an_interrupted_run_resumes_without_asking_a_row_twice_or_losing_one(tmp
     out = [json.loads(line) for line in sink.read_text().splitlines()]
     assert [o["custom_id"] for o in out] == [f"row-{i}" for i in range(400)]
     assert {o["status"] for o in out} == {"ok"} and not held.exists()
-    summary = re.search(r"^(\d+) rows: .*?(?:\((\d+) answered by an interrupted run and held\))?;", second.stderr, re.M)
+    summary = re.search(r"^(\d+) rows: .*?(?:\((\d+) answered by an earlier run and held\))?;", second.stderr, re.M)
     restored = int(summary.group(2) or 0)
     assert restored == held_rows
     second_asked = int(summary.group(1)) - restored
@@ -285,3 +289,157 @@ def test_bad_paths_and_another_files_output_are_one_line_and_exit_2(tmp_path, ca
         message = capsys.readouterr().err
         assert exited.value.code == 2 and words in message and message.count("\n") == 1, (words, message)
     assert other.read_text().count("\n") == 1  # refused, never truncated or appended to
+
+
+@pytest.fixture
+def cli_logging(monkeypatch):
+    """main() replaces the root logger's handlers with one on (pytest's captured) stderr: put them back after."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
+
+
+def noul_rows(count: int, tag: str = "", model: str = "clef-tiny") -> list[str]:
+    """Plain System One bodies (no custom_id: only their content tells two files apart)."""
+    return [
+        json.dumps(
+            {
+                "model": model,
+                "state": f"{tag}{ticket(i, words=12)}",
+                "questions": {"q": {"type": "noul", "instructions": "An outage?"}},
+            }
+        )
+        for i in range(count)
+    ]
+
+
+def test_a_verification_refusal_stops_the_run_and_the_rerun_asks_the_rest(
+    decider, tmp_path, monkeypatch, capsys, cli_logging
+):
+    """The shadow check fails (enforce) after 5 rows are written: the server refuses every decision from then
+    on. The run stops, exit 1 with the reason; OUTPUT holds only answered rows (none "failed"), the ones past
+    the refused row held; the rerun, on a server that answers (restarted), writes the rest, none asked twice.
+    The old behaviour, each remaining row retried three times and written "failed" (a rerun never asking them
+    again), fails this."""
+    from app import cli
+
+    engines, asked = [], []
+    config = EngineConfig(max_num_seqs=4, prefill_chunk_size=256, max_model_len=8192, kv_fraction=0.2)
+
+    class CountingEngine(Engine):
+        def submit(self, request, *args, **kwargs):
+            asked.append(request["state"])
+            return super().submit(request, *args, **kwargs)
+
+    def engine_for(args, on_lost=None):
+        engines.append(CountingEngine(decider, config))
+        return engines[-1]
+
+    real_count = batch.Summary.count
+
+    def count_then_fail(self, line, restored=False):
+        real_count(self, line, restored)
+        if len(engines) == 1 and self.rows == 5:
+            engines[0].shadow.failure = "3 shadow mismatches (injected)"
+
+    monkeypatch.setattr(cli, "make_engine", engine_for)
+    monkeypatch.setattr(batch.Summary, "count", count_then_fail)
+    source, sink = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = noul_rows(40)
+    source.write_text("".join(line + "\n" for line in lines))
+    argv = ["batch", str(source), str(sink), "--d", "cpu", "--selfcheck", "off", "--autotune", "off"]
+    argv += ["--max-in-flight", "8", "--no-progress"]
+
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    stopped = [line for line in err.splitlines() if line.startswith("clef-serve batch: stopped")]
+    assert len(stopped) == 1 and "3 shadow mismatches (injected)" in stopped[0], err
+    first = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert 5 <= len(first) < 40 and {o["status"] for o in first} == {"ok"}, [o["error"] for o in first]
+    assert [o["line"] for o in first] == list(range(1, len(first) + 1))
+
+    assert main(argv) == 0, capsys.readouterr().err
+    out = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [o["line"] for o in out] == list(range(1, 41)) and {o["status"] for o in out} == {"ok"}
+    assert out[: len(first)] == first and not batch.held_path(sink).exists()
+    states = {json.loads(line)["state"] for line in lines}
+    asked = [state for state in asked if state in states]  # not the warm-up
+    assert set(asked) == states  # every row asked: none left "failed" and never asked again
+    assert len(asked) - len(states) <= 8  # only rows the server refused (at most those in flight) asked twice
+
+
+def test_retry_failed_asks_the_failed_rows_again_and_only_them(tmp_path):
+    """Rows 1, 7 and 30 of 30 fail; a plain rerun has nothing to do (a failed row is an answer); with
+    --retry-failed they, and only they, are asked again, and OUTPUT is whole, in input order. The injected fault,
+    the rows after the first failed one not set aside before OUTPUT is cut, loses 24 rows and fails this."""
+    lines = [json.dumps({"line": n + 1}) for n in range(30)]
+    source, sink = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(line + "\n" for line in lines))
+
+    def run_batch(app, **kwargs):
+        return asyncio.run(batch.run(app, source, sink, 4, 8, progress=False, **kwargs))
+
+    first = run_batch(stub_app(fail_lines={1, 7, 30}))
+    assert (first.ok, first.failed) == (27, 3)
+    asked: list[int] = []
+    again = run_batch(stub_app(asked=asked))
+    assert again.rows == 0 and asked == []
+    retried = run_batch(stub_app(asked=asked), retry_failed=True)
+    assert sorted(asked) == [1, 7, 30], asked
+    assert (retried.retried, retried.ok, retried.failed, retried.restored) == (3, 30, 0, 27), retried.describe()
+    out = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [o["line"] for o in out] == list(range(1, 31)) and {o["status"] for o in out} == {"ok"}
+    assert [o["response"]["body"]["answers"]["line"] for o in out] == list(range(1, 31))
+    assert not batch.held_path(sink).exists()
+
+
+def test_bad_bytes_in_a_row_are_that_rows_error_not_the_runs(decider, tmp_path):
+    """A custom_id with a byte that is not UTF-8 (once a UnicodeEncodeError that ended the run), a state with
+    one, a custom_id with a lone surrogate escape (legal JSON): each its row's answer or refusal, the rows
+    around them answered, and a rerun finds OUTPUT continues INPUT (nothing to do)."""
+    good = noul_rows(3, model="clef-flash")
+    body = json.loads(good[0])
+    lines = [
+        good[0].encode(),
+        json.dumps({"custom_id": "fine", "body": body}).encode(),
+        b'{"custom_id": "t-\xff\xfe", "body": ' + good[1].encode() + b"}",
+        good[1].replace("ticket", "ticket \xe9").encode("latin-1"),  # a state in Latin-1: not UTF-8
+        json.dumps({"custom_id": "\udc80-escaped", "body": body}).encode(),
+        good[2].encode(),
+    ]
+    source, sink = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(line + b"\n" for line in lines))
+    summary = asyncio.run(batch.run(make_app(decider), source, sink, 4, 8, progress=False))
+    out = [json.loads(line) for line in sink.read_bytes().decode("utf-8").splitlines()]
+    assert [o["line"] for o in out] == [1, 2, 3, 4, 5, 6] and summary.failed == 0, summary.describe()
+    assert [o["status"] for o in out] == ["ok", "ok", "refused", "refused", "ok", "ok"], [o["error"] for o in out]
+    assert out[2]["custom_id"] == "t-\ufffd\ufffd" and out[2]["response"]["status_code"] == 400
+    assert "line 3 is not UTF-8 (byte 18: ff)" in out[2]["error"]["message"]
+    assert out[3]["response"]["status_code"] == 422 and "UTF-8" in out[3]["error"]["message"]  # the server's
+    assert out[4]["custom_id"] == "\udc80-escaped"
+    again = asyncio.run(batch.run(make_app(decider), source, sink, 4, 8, progress=False))
+    assert (again.rows, again.resumed) == (0, 6)
+
+
+def test_an_output_of_another_input_with_the_same_layout_is_refused(tmp_path, capsys, cli_logging):
+    """OUTPUT written for A (plain bodies: no custom_id); B has as many rows at the same lines, other states:
+    refused before the model loads, one line naming both files, exit 2, OUTPUT untouched. A's own OUTPUT,
+    and A with a row appended, continue. The old check (line numbers and custom_ids only) accepted B."""
+    a, b, sink = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "out.jsonl"
+    rows_a, rows_b = noul_rows(3), noul_rows(3, tag="other ")
+    a.write_text("".join(line + "\n" for line in rows_a))
+    b.write_text("".join(line + "\n" for line in rows_b))
+    answer = {"model": "clef-tiny", "answers": {}, "usage": {"input_tokens": 1}}
+    records = [batch.record(batch.parse_row(n, line.encode()), 200, answer, None) for n, line in enumerate(rows_a, 1)]
+    sink.write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = sink.read_bytes()
+    assert batch.resume_point(a, sink) == (3, 3, 0)
+    with pytest.raises(SystemExit) as exited:
+        main(["batch", str(b), str(sink)])
+    message = capsys.readouterr().err
+    assert exited.value.code == 2 and message.count("\n") == 1, message
+    assert f"OUTPUT {sink} does not continue INPUT {b}" in message and "line 1" in message
+    assert sink.read_bytes() == written
+    with open(a, "a") as more:
+        more.write(rows_b[0] + "\n")
+    assert batch.resume_point(a, sink) == (3, 3, 0)

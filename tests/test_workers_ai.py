@@ -4,12 +4,16 @@ error case third-party clients document, replayed, its status, code and envelope
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from images import data_url, png
 from live import GatedEngine
 from releases import tiny_release, vision_release
 
+from app import server as server_module
 from app.server import ServerSettings, create_app
 from clef_cuda import Decider
 from clef_cuda.serving.engine import Engine, EngineConfig
@@ -29,9 +33,13 @@ QUESTIONS = {
 BODY = {"state": "Checkout fails for everyone since the deploy.", "questions": QUESTIONS}
 
 
-def make_engine(decider, **config) -> Engine:
+def engine_config(**config) -> EngineConfig:
     defaults = dict(max_num_seqs=4, prefill_chunk_size=128, max_model_len=4096, kv_fraction=0.05)
-    return Engine(decider, EngineConfig(**(defaults | config)))
+    return EngineConfig(**(defaults | config))
+
+
+def make_engine(decider, **config) -> Engine:
+    return Engine(decider, engine_config(**config))
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +199,75 @@ def test_cloudflares_own_sdk_runs_the_models_here_by_its_base_url_alone(decider)
             cloudflare.Cloudflare(api_token="wrong", base_url=f"{url}/client/v4", max_retries=0).ai.run(
                 "@cf/cloudflare/clef-flash", account_id="a", extra_body=BODY
             )
+
+
+class FailingEngine(Engine):
+    """An engine whose every step raises `error`: a model error (500 on /v1/systemone) or a step out of memory
+    (503 with Retry-After there)."""
+
+    def __init__(self, *args, error: BaseException, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.error = error
+
+    def _step(self):
+        raise self.error
+
+
+def failing_selfcheck(*args, **kwargs):
+    from clef_cuda.serving.selfcheck import Check, SelfCheckReport
+
+    return SelfCheckReport("cpu", "float32", 0.0, (Check("injected.k", 1.0, 1e-5),))
+
+
+INFERENCE_FAILURES = {
+    # case: (how the engine fails, what /v1/systemone answers (its contract, unchanged), words of the message)
+    "a shadow mismatch (enforce)": ("shadow", 503, "service_unavailable", ["injected shadow mismatch"]),
+    "a failed timed self-check": ("timed selfcheck", 503, "service_unavailable", ["injected timed self-check"]),
+    "a failed start-up self-check": ("start-up selfcheck", 503, "service_unavailable", ["injected.k"]),
+    "a model error": ("model error", 500, "internal_error", ["injected model error"]),
+    "a step out of memory": ("out of memory", 503, "service_unavailable", ["injected out of memory"]),
+}
+
+
+@pytest.mark.parametrize("case", list(INFERENCE_FAILURES))
+def test_an_inference_failure_is_529_5012_and_v1_systemone_keeps_its_contract(decider, monkeypatch, case):
+    """Each way the engine fails to answer: 529 with code 5012 in the envelope on this route (Retry-After kept
+    where our answer has one); /v1/systemone still answers its own status and `{"detail": {...}}` body."""
+    how, v1_status, v1_type, words = INFERENCE_FAILURES[case]
+    settings = ServerSettings(selfcheck="enforce" if how == "start-up selfcheck" else "off")
+    if how == "model error":
+        engine = FailingEngine(decider, engine_config(), error=RuntimeError("injected model error"))
+    elif how == "out of memory":
+        engine = FailingEngine(decider, engine_config(), error=torch.OutOfMemoryError("injected out of memory"))
+    else:
+        engine = make_engine(decider)
+    if how == "start-up selfcheck":
+        monkeypatch.setattr(server_module, "run_selfcheck", failing_selfcheck)
+    with TestClient(create_app(settings, engine=engine, warm_up=False)) as c:
+        if how == "shadow":
+            engine.shadow.failure = "3 shadow mismatches: injected shadow mismatch"
+        if how == "timed selfcheck":
+            engine.selfcheck_failure = "injected timed self-check failure"
+        error = assert_failure(run(c, headers={}), 529, 5012, *words)
+        v1 = c.post("/v1/systemone", json=BODY | {"model": "clef-flash"})
+        assert v1.status_code == v1_status, v1.text
+        assert v1.json()["detail"]["error_type"] == v1_type and v1.json()["detail"]["message"] == error["message"]
+        if v1_status == 503:
+            assert run(c, headers={}).headers["retry-after"] == v1.headers["retry-after"]
+
+
+def test_a_server_still_loading_stays_503_3040_with_retry_after(decider):
+    """Not an inference failure: the engine is not there yet (nor while draining), come back."""
+    release = threading.Event()
+
+    def load():
+        release.wait(60)
+        return make_engine(decider)
+
+    with TestClient(create_app(ServerSettings(selfcheck="off"), load_engine=load, warm_up=False)) as c:
+        try:
+            response = run(c, headers={})
+            assert_failure(response, 503, 3040, "loading")
+            assert response.headers["retry-after"]
+        finally:
+            release.set()
