@@ -11,6 +11,7 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from test_decider import check_against_reference, reference_probabilities
 from clef_cuda import Decider
 from clef_cuda.errors import ReleaseError
 from clef_cuda.model.config import load_release_config
+from clef_cuda.model.fp8 import Fp8Weight
 from clef_cuda.model.weights import INDEX_FILE, load_release_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,18 +59,34 @@ def edit_config(release: Path, change) -> None:
     (release / "config.json").write_text(json.dumps(config))
 
 
+def tiles(shape: tuple[int, ...], block: tuple[int, int]) -> Iterator[tuple[int, int, tuple[slice, slice]]]:
+    """(block row, block column, the block's part of a [rows, cols] weight) for every block, the last ones of a
+    row or column cut short."""
+    rows, cols = shape
+    for i in range(-(-rows // block[0])):
+        for j in range(-(-cols // block[1])):
+            yield i, j, (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+
+
 def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight block-quantized as the community FP8 uploads are: e4m3 values, one fp32 scale_inv per block
     (the block's absmax / 448)."""
-    rows, cols = weight.shape
     w = weight.float()
-    scale = torch.zeros(-(-rows // block[0]), -(-cols // block[1]))
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            tile = w[i * block[0] : (i + 1) * block[0], j * block[1] : (j + 1) * block[1]]
-            scale[i, j] = tile.abs().max().clamp(min=1e-12) / E4M3_MAX
-    full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return (w / full).to(torch.float8_e4m3fn), scale
+    scale = torch.zeros(-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
+    values = torch.zeros(w.shape, dtype=torch.float8_e4m3fn)
+    for i, j, tile in tiles(w.shape, block):
+        scale[i, j] = w[tile].abs().max().clamp(min=1e-12) / E4M3_MAX
+        values[tile] = (w[tile] / scale[i, j]).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def by_blocks(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype=torch.float32) -> torch.Tensor:
+    """fp8 `values` dequantized here, not by clef_cuda: each block's values times its scale, multiplied in
+    float64 (exact: 4 + 24 significant bits of 53) and rounded once to `dtype`."""
+    out = torch.empty(values.shape, dtype=dtype)
+    for i, j, tile in tiles(values.shape, block):
+        out[tile] = (values[tile].double() * scale[i, j].double()).to(dtype)
+    return out
 
 
 def is_fp8_weight(name: str, tensor: torch.Tensor) -> bool:
@@ -76,9 +94,13 @@ def is_fp8_weight(name: str, tensor: torch.Tensor) -> bool:
     return ".layers." in name and name.endswith("proj.weight") and tensor.dim() == 2 and tensor.shape[0] > 8
 
 
-def fp8_pair(tmp_path: Path, block: tuple[int, int], mtp: bool = False) -> tuple[Path, Path]:
-    """(an fp8 block-quantized copy of the mid release, the dequantized release it stands for, stored in fp32)."""
-    quantized, dequantized = copy_of(mid_release(), tmp_path / "fp8"), copy_of(mid_release(), tmp_path / "dequantized")
+def fp8_pair(
+    tmp_path: Path, block: tuple[int, int], mtp: bool = False, source: Path | None = None
+) -> tuple[Path, Path]:
+    """(an fp8 block-quantized copy of `source` (the mid release), the dequantized release it stands for, stored
+    in fp32: each element the product of its e4m3 value and its block's scale rounded once to fp32)."""
+    source = source or mid_release()
+    quantized, dequantized = copy_of(source, tmp_path / "fp8"), copy_of(source, tmp_path / "dequantized")
 
     def to_fp8(tensors: dict) -> dict:
         out = {}
@@ -97,10 +119,7 @@ def fp8_pair(tmp_path: Path, block: tuple[int, int], mtp: bool = False) -> tuple
         out = {}
         for name, tensor in tensors.items():
             if name + "_scale_inv" in quantized_tensors:
-                values, scale = quantized_tensors[name], quantized_tensors[name + "_scale_inv"]
-                rows, cols = values.shape
-                full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-                out[name] = values.float() * full  # exact in fp32
+                out[name] = by_blocks(quantized_tensors[name], quantized_tensors[name + "_scale_inv"], block)
             else:
                 out[name] = tensor
         return out
@@ -153,9 +172,10 @@ def test_tied_embeddings_answer_as_the_reference(tmp_path):
 # ---- fp8 block-quantized uploads ---------------------------------------------------------------------
 @pytest.mark.parametrize(("block", "mtp"), [((128, 128), False), ((32, 48), True)])
 def test_an_fp8_release_loads_as_the_release_it_dequantizes_to(tmp_path, block, mtp):
-    """Its weights in fp32 are the dequantized release's, bit for bit (e4m3 x an fp32 scale is exact), so it
-    answers as the reference on the dequantized release; blocks cut short at the edges ((32, 48) on 96 x 160)
-    and MTP tensors (skipped) included."""
+    """Its weights in fp32 are the dequantized release's, bit for bit (each the product of an e4m3 value and an
+    fp32 scale rounded once to fp32: not exact, the product has up to 28 significant bits), so it answers as the
+    reference on the dequantized release; blocks cut short at the edges ((32, 48) on 96 x 160) and MTP tensors
+    (skipped) included."""
     quantized, dequantized = fp8_pair(tmp_path, block, mtp)
     config = load_release_config(quantized)
     assert config.fp8_block_size == block
@@ -166,6 +186,68 @@ def test_an_fp8_release_loads_as_the_release_it_dequantizes_to(tmp_path, block, 
         assert torch.equal(ours[name], tensor), name
     decider, reference = Decider.from_release(quantized, device="cpu", progress=False), reference_model(dequantized)
     assert max(check_against_reference(decider, reference, r) for r in REQUESTS) < PARITY_BOUND
+
+
+# e4m3 keeps 3 fraction bits: x in [2^e, 2^(e+1)) with e >= -6 rounds to a multiple of 2^(e-3), at most 2^(e-4) <=
+# 2^-4 |x| away; below 2^-6 (subnormals) to a multiple of 2^-9, at most 2^-10 away. With a block's scale s (its
+# absmax / 448: every x = w / s is within e4m3's range, 448 at most) each weight w comes back within
+# max(2^-4 |w|, 2^-10 s); the fp32 roundings of w / s (quantizing) and of e4m3 x s (dequantizing) add at most 2^-24
+# |w| each, 2^-20 |w| covers both.
+E4M3_RELATIVE = 2.0**-4
+E4M3_SUBNORMAL = 2.0**-10  # in units of the block's scale
+E4M3_SMALLEST_NORMAL = 2.0**-6
+
+
+@pytest.mark.parametrize("block", [(32, 48), (128, 128)])
+def test_fp8_dequantization_is_the_stored_product_rounded_once_and_within_e4m3s_error(block):
+    """Known weights (five decades of magnitude, a zero row) quantized here to e4m3 blocks, dequantized by
+    clef_cuda (Fp8Weight, the loader's path): each element is its e4m3 value times its block's fp32 scale
+    rounded once to fp32, and cast to f16 / bf16 rounded once to those (never twice); and it is within e4m3's
+    rounding error of the original weight, an error the worst element comes near (the bound is e4m3's)."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(100, 150, generator=generator) * 10 ** (-5 * torch.rand(100, 150, generator=generator))
+    weight[7] = 0
+    values, scale = fp8_blocks(weight, block)
+    ours = Fp8Weight(values, scale, block)[:]
+    block_scale = torch.empty_like(weight)
+    for i, j, tile in tiles(weight.shape, block):
+        block_scale[tile] = scale[i, j]
+    error, magnitude = (ours.double() - weight.double()).abs(), weight.double().abs()
+    bound = torch.maximum(E4M3_RELATIVE * magnitude, E4M3_SUBNORMAL * block_scale) + 2.0**-20 * magnitude
+    assert (error <= bound).all(), (error - bound).max()
+    normal = magnitude >= E4M3_SMALLEST_NORMAL * block_scale
+    assert normal.sum() > 1000 and (~normal & (magnitude > 0)).sum() > 1000  # both kinds of e4m3 value ran
+    assert 2.0**-5 < (error[normal] / magnitude[normal]).max() <= E4M3_RELATIVE + 2.0**-20
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert torch.equal(ours.to(dtype), by_blocks(values, scale, block, dtype)), dtype
+
+
+def test_rounding_to_fp32_first_never_moves_an_fp8_product_rounded_to_16_bits():
+    """Why an fp8 weight dequantized in fp32 and cast to f16 / bf16 is its product rounded once to those: for every
+    fp32 significand s and every e4m3 significand a (odd ones; an even one is an odd one times a power of two),
+    a x s rounded to fp32 and then to 16 bits is a x s rounded to 16 bits. (So too where the f16 result is
+    subnormal: checked once, 12 exponents below f16's smallest normal.)"""
+    significands = torch.arange(2**23, 2**24, dtype=torch.float64) / 2**23  # every fp32 one in [1, 2)
+    for a in range(1, 16, 2):
+        product = significands * a  # exact in float64
+        for dtype in (torch.float16, torch.bfloat16):
+            assert torch.equal(product.float().to(dtype), product.to(dtype)), (a, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_an_fp8_release_loads_as_its_products_rounded_once_to_the_serving_dtype(tmp_path, dtype):
+    """Loaded in each serving dtype, every fp8 weight of a release is its stored e4m3 values times their block's
+    scale, rounded once to that dtype (dequantized here, in float64)."""
+    block = (32, 48)
+    quantized, _ = fp8_pair(tmp_path, block)
+    config = load_release_config(quantized)
+    loaded = load_release_weights(quantized, config, dtype=dtype, progress=False).trunk
+    stored = load_file(str(quantized / MAIN_FILE))
+    fp8_names = [name for name in stored if name + "_scale_inv" in stored]
+    assert len(fp8_names) > 20
+    for name in fp8_names:
+        expected = by_blocks(stored[name], stored[name + "_scale_inv"], block, dtype)
+        assert torch.equal(loaded[name.removeprefix(config.weight_prefix)], expected), name
 
 
 def test_an_fp8_release_served_as_int8_is_within_the_int8_bound(tmp_path):

@@ -247,31 +247,34 @@ def test_int8_answers_move_with_a_wrong_scale_row(dtype):
     assert max_abs_dp(f32, int8, requests_for("mid", 10)) > INT8_BOUNDS[("mid", dtype)]
 
 
-# ---- 16-bit activations on the CPU (--dtype bf16) ----------------------------------------------------------
+# ---- 16-bit activations on the CPU (--dtype f16, bf16) -----------------------------------------------------
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("release", sorted(RELEASES))
-def test_bf16_on_the_cpu_stays_within_its_bound_of_f32(release):
-    """The release as stored, served in bf16 on the CPU (oneDNN's bf16 GEMMs with fp32 accumulation where the CPU
-    has bf16 dot products, converted in software where not), against itself in fp32: within the bound measured
-    for that release (benchmarks/int8_bounds.py --weights stored)."""
+def test_16_bit_activations_on_the_cpu_stay_within_their_bound_of_f32(release, dtype):
+    """The release as stored, served in f16 / bf16 on the CPU (bf16: oneDNN's bf16 GEMMs with fp32 accumulation
+    where the CPU has bf16 dot products, converted in software where not), against itself in fp32: within the
+    bound measured for that release and dtype (benchmarks/int8_bounds.py --weights stored)."""
     path = RELEASES[release]()
     f32 = Decider.from_release(path, device="cpu", progress=False)
-    bf16 = Decider.from_release(path, device="cpu", dtype=torch.bfloat16, progress=False)
-    worst = max_abs_dp(f32, bf16, requests_for(release, 10))
-    assert 0 < worst <= DTYPE_BOUNDS[(release, "bf16")], worst  # > 0: bf16 really ran
+    served = Decider.from_release(path, device="cpu", dtype=ACTIVATIONS[dtype], progress=False)
+    worst = max_abs_dp(f32, served, requests_for(release, 10))
+    assert 0 < worst <= DTYPE_BOUNDS[(release, dtype)], worst  # > 0: the 16-bit dtype really ran
 
 
-def test_the_bf16_bound_catches_a_bf16_weight_layout_slip():
-    """The bound can fail: the bf16 model with every linear layer's rows shifted by one (a repack into bf16 that
-    slips a row) moves past it. (Subtler bf16 faults do not: on these releases, whose hidden sizes are at most
-    256, a GEMM that keeps its running sum in bf16 drifts no further than bf16 activations already do; measured
-    2026-12-04, benchmarks/RESULTS.md.)"""
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_the_16_bit_bounds_catch_a_weight_layout_slip(dtype):
+    """The bounds can fail: the f16 / bf16 model with every linear layer's rows shifted by one (a repack into
+    16 bits that slips a row) moves past its bound. (Subtler bf16 faults do not: on these releases, whose hidden
+    sizes are at most 256, a GEMM that keeps its running sum in bf16 drifts no further than bf16 activations
+    already do; measured 2026-12-04, benchmarks/RESULTS.md.)"""
     path = RELEASES["mid"]()
     f32 = Decider.from_release(path, device="cpu", progress=False)
-    bf16 = Decider.from_release(path, device="cpu", dtype=torch.bfloat16, progress=False)
-    for layer in bf16.trunk.layers:
-        for weight in bf16.trunk._linear_weights(layer):
+    served = Decider.from_release(path, device="cpu", dtype=ACTIVATIONS[dtype], progress=False)
+    for layer in served.trunk.layers:
+        for weight in served.trunk._linear_weights(layer):
+            assert weight.dtype == ACTIVATIONS[dtype]
             weight.copy_(weight.roll(1, dims=0))
-    assert max_abs_dp(f32, bf16, requests_for("mid", 10)) > DTYPE_BOUNDS[("mid", "bf16")]
+    assert max_abs_dp(f32, served, requests_for("mid", 10)) > DTYPE_BOUNDS[("mid", dtype)]
 
 
 def test_an_unknown_quantize_mode_is_refused():

@@ -32,7 +32,7 @@ from clef_cuda.model.config import (
     TrunkConfig,
     VisionConfig,
 )
-from clef_cuda.model.fp8 import FP8_HEADER_DTYPE, SCALE_SUFFIX, dequantize_fp8_blocks, scale_name
+from clef_cuda.model.fp8 import FP8_HEADER_DTYPE, SCALE_SUFFIX, Fp8Weight, scale_name
 from clef_cuda.model.quantize import Int8Weight, is_quantized_name, quantize_int8
 from clef_cuda.model.shard import Shard, TensorReader, shard_tensor
 from clef_cuda.model.vocab_tables import VOCAB_TABLES, HostTable, VocabShard
@@ -278,20 +278,23 @@ def check_not_prequantized(model_dir: str | Path, fp8_block_size: tuple[int, int
 
 
 def _fp8_dequantizer(model_dir: Path, config: ReleaseConfig):
-    """name, stored tensor -> the tensor to load: an fp8 block-quantized weight dequantized (fp32, exact) with
-    its scales, read from their file; everything else as it is."""
+    """name, stored tensor or safetensors slice -> what to load: an fp8 block-quantized weight with its scales
+    (read from their file) as an Fp8Weight, from which a tensor-parallel rank reads and dequantizes its part
+    only (a slice), or dequantized whole (a tensor: fp32, clef_cuda.model.fp8); everything else as it is."""
     if config.fp8_block_size is None:
         return lambda name, tensor: tensor
     headers = release_headers(model_dir)
+    scale_files: dict[Path, object] = {}  # open while the release loads: each weight reads its scales' part
 
     def dequantize(name: str, tensor):
         if scale_name(name) not in headers:
             return tensor
         _, path = headers[scale_name(name)]
-        with _open(path) as f:
-            scale_inv = f.get_tensor(scale_name(name))
+        if path not in scale_files:
+            scale_files[path] = _open(path)
         try:
-            return dequantize_fp8_blocks(tensor[:], scale_inv, config.fp8_block_size)
+            weight = Fp8Weight(tensor, scale_files[path].get_slice(scale_name(name)), config.fp8_block_size)
+            return weight if hasattr(tensor, "get_shape") else weight[:]
         except ValueError as error:
             raise ReleaseError(f"{path}: tensor {name}: {error}") from error
 
@@ -368,10 +371,10 @@ def load_release_weights(
     """Stream the trunk (in `dtype`, fp32 for norms/decays/conv; with quantize="int8" its linear layers
     and embedding tables as int8) and head (in `head_dtype`) onto `device`. vocab_tables="host": the embedding
     and LM-head tables stay in (pinned) host memory as HostTables (clef_cuda.model.vocab_tables).
-    shard: a tensor-parallel rank's part only (clef_cuda.model.shard), read from the files by slices, so no
-    rank ever holds a whole sharded tensor; the vocabulary tables by rows (VocabShards), the head on rank 0
-    only and the vision tower on its rank only (clef_cuda.model.shard.tower_rank; the others get an empty head,
-    no tower)."""
+    shard: a tensor-parallel rank's part only (clef_cuda.model.shard), read from the files by slices (an fp8
+    weight's part with its blocks' scales, dequantized alone), so no rank ever reads or holds a whole sharded
+    tensor; the vocabulary tables by rows (VocabShards), the head on rank 0 only and the vision tower on its
+    rank only (clef_cuda.model.shard.tower_rank; the others get an empty head, no tower)."""
     if vocab_tables not in VOCAB_TABLE_PLACEMENTS:
         raise ValueError(f"vocab_tables must be one of {VOCAB_TABLE_PLACEMENTS}, got {vocab_tables!r}")
     from tqdm import tqdm
@@ -469,8 +472,8 @@ def load_release_weights(
 
 
 def _shard_of(name: str, piece, prefix: str, expected: dict, config: TrunkConfig, shard: Shard, path: Path):
-    """A tensor-parallel rank's part of trunk tensor `name` (a safetensors slice, its whole shape checked
-    first). Vision tensors pass whole (rank 0 alone reads them)."""
+    """A tensor-parallel rank's part of trunk tensor `name` (a safetensors slice, or an Fp8Weight over one: its
+    whole shape checked first, then only the part read). Vision tensors pass whole (one rank alone reads them)."""
     if name.startswith(VISION_PREFIX):
         return piece[:]
     key = name[len(prefix) :] if name.startswith(prefix) else name
