@@ -2,8 +2,9 @@
 """The healthy differences shadow verification must tolerate: records served by the engine (the fast ops,
 batched, chunked, from the prefix cache) against the same records re-decided on the reference ops
 (clef_cuda.serving.shadow), per release and serving dtype. The tolerances (derived from the dtype's unit
-roundoff, each layer's roundings and the depth: clef_cuda.serving.shadow) must hold over them with their
-margin. Table last.
+roundoff, each layer's roundings and, for the head's inputs and fp32's probabilities, the drift each record was
+measured to carry: clef_cuda.serving.shadow) must hold over them with their margin. Tables last: the
+probabilities, the head's inputs, the layers.
 
     python benchmarks/shadow_tolerance.py --records 60
     python benchmarks/shadow_tolerance.py --releases test-mix --records 200      # the healthy test's records
@@ -67,9 +68,9 @@ def decide_each_and_wait(engine, requests: list[dict], timeout: float = 300):
     return stats
 
 
-def measure(release_path: Path, requests: list[dict], device: str, dtype: torch.dtype) -> tuple[list[float], dict]:
-    """max |p_served - p_reference| of each record (every record shadowed, one at a time), and per kind of layer
-    output the worst layer fingerprint error of each record."""
+def measure(release_path: Path, requests: list[dict], device: str, dtype: torch.dtype):
+    """The shadow's stats once every record was served and shadowed, one at a time: per record max |dp| and its
+    tolerance, the worst of each head-input test, each kind of layer's worst local drift."""
     from clef_cuda import Decider
     from clef_cuda.serving.engine import Engine, EngineConfig
     from clef_cuda.serving.shadow import ShadowConfig
@@ -89,7 +90,7 @@ def measure(release_path: Path, requests: list[dict], device: str, dtype: torch.
     try:
         stats = decide_each_and_wait(engine, requests)
         assert stats.dropped == 0, stats
-        return list(stats.errors), {kind: list(errors) for kind, errors in stats.layer_errors.items()}
+        return stats
     finally:
         engine.stop(30)
 
@@ -123,26 +124,50 @@ def main() -> int:
 
     known = {"upstream-tiny": tiny_release, "mid": mid_release, "clef-tiny": default_release, "test-mix": tiny_release}
     releases = {name: known[name] for name in args.releases.split(",")}
-    rows, layer_rows = [], []
+    rows, head_rows, layer_rows = [], [], []
     for name, build in releases.items():
         requests = requests_for(name, args.records)
         depth = load_release_config(build()).trunk.num_layers
         for dtype_name in args.dtypes.split(","):
-            errors, layers = measure(build(), requests, args.device, DTYPES[dtype_name])
-            tolerance = probability_tolerance(DTYPES[dtype_name], depth)
-            rows.append((name, dtype_name, len(errors), max(errors), statistics.median(errors), tolerance))
-            for kind, values in layers.items():
+            started = time.perf_counter()
+            stats = measure(build(), requests, args.device, DTYPES[dtype_name])
+            seconds = time.perf_counter() - started
+            verdicts = (stats.match, stats.marginal, stats.mismatch)
+            errors = [e for e, _ in stats.probabilities]
+            ratio = max(e / t for e, t in stats.probabilities)
+            floor = probability_tolerance(DTYPES[dtype_name], depth)
+            rows.append((name, dtype_name, len(errors), max(errors), statistics.median(errors), floor, ratio))
+            rows[-1] += (verdicts, seconds)
+            if entries := stats.head_inputs:
+                worst = max(entries, key=lambda e: e[0] / e[1])
+                head_rows.append((name, dtype_name, len(entries), max(e[0] for e in entries), worst))
+            for kind, values in stats.layer_errors.items():
                 layer_rows.append((name, dtype_name, kind, len(values), max(values), statistics.median(values)))
     print(f"\nshadow verification: served (fast ops) vs reference ops, {args.device}, every record shadowed")
-    print("probabilities: max |p_served - p_reference| per record; the tolerance from the dtype's unit roundoff u")
-    print("and the depth (clef_cuda.serving.shadow.probability_tolerance)")
-    header = f"{'release':14s} {'dtype':5s} {'records':>7s} {'worst |dp|':>11s} {'median':>9s} {'tolerance':>10s}"
-    print(f"{header} {'margin':>7s}")
-    for name, dtype_name, count, worst, median, tolerance in rows:
-        margin = tolerance / worst if worst else float("inf")
+    print("probabilities: max |p_served - p_reference| per record, against the record's own tolerance (at least the")
+    print("depth's: clef_cuda.serving.shadow.probability_tolerance; in fp32 from the drift its head inputs carried)")
+    header = f"{'release':14s} {'dtype':5s} {'records':>7s} {'worst |dp|':>11s} {'median':>9s} {'depth tol':>10s}"
+    print(f"{header} {'worst dp/tol':>12s} {'margin':>7s}  match/marginal/mismatch  seconds")
+    for name, dtype_name, count, worst, median, floor, ratio, verdicts, seconds in rows:
+        margin = 1 / ratio if ratio else float("inf")
         print(
-            f"{name:14s} {dtype_name:5s} {count:>7d} {worst:>11.2e} {median:>9.2e} {tolerance:>10.2e} {margin:>6.1f}x"
+            f"{name:14s} {dtype_name:5s} {count:>7d} {worst:>11.2e} {median:>9.2e} {floor:>10.2e} {ratio:>12.3f} "
+            f"{margin:>6.1f}x  {'/'.join(map(str, verdicts)):>23s}  {seconds:>7.0f}"
         )
+    print("\nthe head's inputs: per record its worst question, option or last row: the mean the served head read")
+    print("against the mean of its tokens' rows (fingerprint.head_read_error); tolerance from the roundings between")
+    print("them (shadow.head_read_tolerance)")
+    header = f"{'release':14s} {'dtype':5s} {'records':>7s} {'worst':>9s} {'at the worst ratio:':>20s} {'error':>9s}"
+    print(f"{header} {'tokens':>6s} {'tolerance':>9s} {'margin':>7s}")
+    over = []
+    for name, dtype_name, count, worst, (error, tolerance, tokens) in head_rows:
+        margin = tolerance / error if error else float("inf")
+        print(
+            f"{name:14s} {dtype_name:5s} {count:>7d} {worst:>9.2e} {'':>20s} {error:>9.2e} {tokens:>6d} "
+            f"{tolerance:>9.2e} {margin:>6.1f}x"
+        )
+        if error > tolerance:
+            over.append(f"{name} {dtype_name} head input: {error:.2e} > {tolerance:.2e}")
     print("\nlayer fingerprints: each record's worst local drift of a kind (|served - ref| / |ref| of the output, less")
     print(f"{FINGERPRINT_GAIN:g} x its input's), and its worst norm and MLP replay channel gains; 'bound': the healthy")
     print(f"local drift derived, sqrt(roundings) x u (the tolerance: {FINGERPRINT_MARGIN:g} x it, at least the floor)")
@@ -154,7 +179,6 @@ def main() -> int:
             return replay_tolerance(DTYPES[dtype_name], kind)
         return max(FINGERPRINT_FLOOR, FINGERPRINT_MARGIN * healthy_local_drift(DTYPES[dtype_name], kind))
 
-    over = []
     for name, dtype_name, kind, count, worst, _ in layer_rows:
         dtype = DTYPES[dtype_name]
         bound, tolerance = healthy_local_drift(dtype, kind), tolerance_for(dtype_name, kind)
@@ -165,7 +189,8 @@ def main() -> int:
         )
         if worst > tolerance:
             over.append(f"{name} {dtype_name} {kind}: worst {worst:.2e} > {tolerance:.2e}")
-    over += [f"{r[0]} {r[1]} probabilities: worst {r[3]:.2e} > {r[5]:.2e}" for r in rows if r[3] > r[5]]
+    over += [f"{r[0]} {r[1]} probabilities: worst dp/tolerance {r[6]:.2f}" for r in rows if r[6] > 1]
+    over += [f"{r[0]} {r[1]}: {r[7][1]} marginal, {r[7][2]} mismatched" for r in rows if r[7][1] or r[7][2]]
     for line in over:
         print(f"OVER THE TOLERANCE: {line}")
     return 1 if args.gate and over else 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from clef_cuda import ops
 
 
@@ -143,3 +145,73 @@ class LayerFaultOps:
 
     def __getattr__(self, name):
         return getattr(self._base, name)
+
+
+class HeadReadFault:
+    """The joint head `head` reading one question's or option's rows wrong on the served pass only: what the
+    shadow's head-input check must catch (the layer fingerprints sketch a few positions, and never the head's
+    reads). attach(engine) puts it in the engine's place of its base head; the shadow's steps
+    (engine.shadow.step) run it clean, as a transient fault (a GPU corrupting a row) leaves the re-run clean.
+
+    kind and its size e, in every record the engine serves:
+      option_scaled     the first option's row as the head reads it, x (1 + e): its span's mean, and each of
+                        its tokens' rows (their LayerNorm output: their memory rows too). (Scaling the trunk's
+                        output rows themselves is no fault: the head's LayerNorm undoes it; scaling the last
+                        layer's MLP output at one option token by 1.02 moved the head's input by 7e-5, 0.15 u
+                        of f16, on the upstream tiny release.)
+      question_shifted  the trunk's output rows the head reads over the first question's span are those one
+                        position earlier (e unused)"""
+
+    KINDS = ("option_scaled", "question_shifted")
+
+    def __init__(self, kind: str, e: float = 0.0) -> None:
+        assert kind in self.KINDS, kind
+        self.kind, self.e = kind, e
+        self.head = None
+        self.clean = False  # set while the shadow runs
+        self.hits = 0  # rows read wrong, in all
+        self._previous: dict[int, torch.Tensor] = {}  # id(inputs) -> the last row of its previous chunk
+
+    def attach(self, engine) -> HeadReadFault:
+        self.head, engine.decider.head = engine.decider.head, self
+        shadow_step = engine.shadow.step
+
+        def clean_step(*args, **kwargs):
+            self.clean = True
+            try:
+                return shadow_step(*args, **kwargs)
+            finally:
+                self.clean = False
+
+        engine.shadow.step = clean_step
+        return self
+
+    def consume(self, inputs, layout, hidden) -> None:
+        if self.clean:
+            return self.head.consume(inputs, layout, hidden)
+        start, n = inputs.filled, hidden.shape[0]
+        if self.kind == "question_shifted":
+            span = (layout.span_of_token == 0).nonzero().flatten().tolist()  # the first question's positions
+            previous = self._previous.pop(id(inputs), None)
+            shifted = hidden.clone()
+            for position in span:
+                if start <= position < start + n and (position > start or previous is not None):
+                    shifted[position - start] = hidden[position - start - 1] if position > start else previous
+                    self.hits += 1
+            if start + n < inputs.memory.shape[0]:
+                self._previous[id(inputs)] = hidden[-1].clone()
+            return self.head.consume(inputs, layout, shifted)
+        self.head.consume(inputs, layout, hidden)
+        option = layout.num_questions  # the first option's span index
+        span = (layout.span_of_token[start : start + n] == option).nonzero().flatten()
+        if span.numel():
+            normed = self.head.normed(hidden[span])
+            inputs.span_sums[option] += self.e * normed.sum(0)
+            inputs.memory[start + span] *= 1 + self.e
+            if int(span[-1]) == n - 1:
+                inputs.last = inputs.last * (1 + self.e)
+            self.hits += span.numel()
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self.head, name)

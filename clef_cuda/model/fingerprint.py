@@ -25,13 +25,27 @@ channel c, the least-squares ratio of served to reference over the positions, se
 reference_c, and the check is max |g_c|. A wrong row scale, weight row, activation channel or norm scale moves
 its g_c consistently at every position, while rounding, which is not consistent, averages down. (At
 clef-flash's shapes: 4,096 channels x 8 positions x 32 layers x 5 rows, 14 MiB of host memory a sample.)
+
+The head's inputs (clef_cuda.model.head): the head reads every position through its memory rows, each question
+and option through the mean of its span, and the last token on its own. A sampled record's served pass also
+keeps what the head read: a count sketch of its LayerNorm output (JointSchemaHead.normed) at every position the
+pass computed, [tokens, SKETCH_WIDTH] fp32 (128 B a token), and, once answered, a sketch of each span mean and of
+the last row as HeadInputs held them (prefix-cache restores included), [Q + O + 1, SKETCH_WIDTH]. A sketch is
+linear, so a span mean's sketch is the mean of its tokens' sketches, up to the roundings of the head's sum and
+of the sketches: head_read_error compares the two, a check of the served pass against itself that the head read
+what the trunk computed, as tight as those roundings (clef_cuda.serving.shadow.head_read_tolerance). The shadow
+run keeps the same sketches from the reference ops: output_drift, the drift of every row the head read, is what
+the probabilities' tolerance is measured from. At clef-flash's shapes: 2 MiB for a 16k-token record.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+from clef_cuda.model.head import HeadInputs, JointSchemaHead, RecordLayout
 
 Tensor = torch.Tensor
 
@@ -118,9 +132,34 @@ class Fingerprint:
     positions: list[int]
     sketches: Entries = field(default_factory=dict)
     rows: Entries = field(default_factory=dict)
+    # What the head read at every position a pass computed: (first position, [n, SKETCH_WIDTH] sketches of its
+    # LayerNorm's output) per step; and the sketches of the span means and last row it held (head_input_rows).
+    outputs: list[tuple[int, Tensor]] = field(default_factory=list)
+    head_rows: Tensor | None = None
 
     def nbytes(self) -> int:
-        return sum(rows.nbytes for table in (self.sketches, self.rows) for e in table.values() for _, rows in e)
+        kept = sum(rows.nbytes for table in (self.sketches, self.rows) for e in table.values() for _, rows in e)
+        kept += sum(sketch.nbytes for _, sketch in self.outputs)
+        return kept + (self.head_rows.nbytes if self.head_rows is not None else 0)
+
+    def record_output(self, start: int, hidden: Tensor, sketch: CountSketch, head: JointSchemaHead) -> None:
+        """The trunk's output rows [n, hidden] for record positions start .. start + n: what `head` reads of
+        them (its LayerNorm's output, JointSchemaHead.normed, as consume computes it), sketched, to the host."""
+        self.outputs.append((start, sketch(head.normed(hidden)).cpu()))
+
+    def keep_head_inputs(self, inputs: HeadInputs, layout: RecordLayout, sketch: CountSketch) -> None:
+        """The span means and the last row the head read, once the record is answered: sketched, to the host."""
+        self.head_rows = sketch(head_input_rows(inputs, layout)).cpu()
+
+    def output_sketches(self, num_tokens: int) -> tuple[Tensor, Tensor]:
+        """[num_tokens, SKETCH_WIDTH] sketches of the rows the head read, and [num_tokens] bool: which positions
+        this pass computed (a prefix restored from the cache was not)."""
+        sketches = torch.zeros(num_tokens, SKETCH_WIDTH)
+        computed = torch.zeros(num_tokens, dtype=torch.bool)
+        for start, rows in self.outputs:
+            sketches[start : start + rows.shape[0]] = rows
+            computed[start : start + rows.shape[0]] = True
+        return sketches, computed
 
     def sketch(self, layer: int, part: str) -> dict[int, Tensor]:
         """`layer`'s sketches at `part`: position -> [SKETCH_WIDTH]."""
@@ -161,3 +200,41 @@ def channel_gain_error(served: Tensor, reference: Tensor) -> float:
     if not torch.isfinite(s).all():
         return float("inf")
     return worst
+
+
+def head_input_rows(inputs: HeadInputs, layout: RecordLayout) -> Tensor:
+    """What the head reads of each question and option, and of the last token: the span means (as
+    JointSchemaHead.logits computes them) then the last row, [Q + O + 1, hidden] fp32."""
+    means = inputs.span_sums[:-1] / layout.span_lengths[:, None]
+    return torch.cat([means, inputs.last[None]]).float()
+
+
+def head_read_error(head_rows: Tensor, outputs: Tensor, computed: Tensor, layout: RecordLayout) -> Tensor:
+    """Per row of head_input_rows (each span, then the last token), how far the head's sketched mean is from the
+    mean of its tokens' sketched rows, relative to their mean norm: ||S(mean) - mean_p S(row_p)|| / mean_p
+    ||S(row_p)||. head_rows [Q + O + 1, W] and outputs [L, W] from one pass (outputs' positions `computed` [L]);
+    NaN where a span has a position the pass did not compute (restored from the prefix cache), inf if non-finite."""
+    spans = layout.num_questions + layout.num_options
+    span_of_token = layout.span_of_token.cpu()
+    rows = outputs.double()
+    sums = torch.zeros(spans + 1, rows.shape[1], dtype=torch.float64).index_add_(0, span_of_token, rows)
+    norms = torch.zeros(spans + 1, dtype=torch.float64).index_add_(0, span_of_token, rows.norm(dim=-1))
+    missing = torch.zeros(spans + 1).index_add_(0, span_of_token, (~computed).float())[:spans] > 0
+    lengths = layout.span_lengths.cpu().double()[:, None]
+    means = torch.cat([sums[:spans] / lengths, rows[-1:]])
+    scale = torch.cat([norms[:spans] / lengths[:, 0], rows[-1:].norm(dim=-1)])
+    error = ((head_rows.double() - means).norm(dim=-1) / scale.clamp_min(1e-30)).float()
+    error = torch.where(torch.isfinite(error), error, torch.full_like(error, math.inf))
+    return torch.where(torch.cat([missing, ~computed[-1:]]), torch.full_like(error, math.nan), error)
+
+
+def output_drift(served: Tensor, reference: Tensor, computed: Tensor) -> float:
+    """The largest drift of a row the head read, served against reference, over the positions the served pass
+    computed: ||S(served_p - reference_p)|| relative to the reference rows' mean sketched norm (rows of a
+    LayerNorm's output have near one norm: a mean keeps a row whose sketch happens to be short from reading as a
+    large drift). inf if non-finite."""
+    if not bool(computed.any()):
+        return 0.0
+    differences = (served.double() - reference.double())[computed].norm(dim=-1)
+    drift = float(differences.max() / reference.double()[computed].norm(dim=-1).mean().clamp_min(1e-30))
+    return drift if math.isfinite(drift) else math.inf

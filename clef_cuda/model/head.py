@@ -119,10 +119,15 @@ class JointSchemaHead:
             ),
         )
 
+    def normed(self, hidden: Tensor) -> Tensor:
+        """What the head reads of each token: LN(X) of final hidden states [n, hidden] -> [n, hidden] (its dtype).
+        (Shadow verification sketches it at every position, to check the span means below against it.)"""
+        return _layer_norm(hidden.to(self.dtype), self.w, "hidden_norm")
+
     def consume(self, inputs: HeadInputs, layout: RecordLayout, hidden: Tensor) -> None:
         """Fold the next chunk of final hidden states [n, hidden] (tokens inputs.filled ..) into inputs."""
         n = hidden.shape[0]
-        normed = _layer_norm(hidden.to(self.dtype), self.w, "hidden_norm")
+        normed = self.normed(hidden)
         inputs.memory[inputs.filled : inputs.filled + n] = _linear(normed, self.w, "memory_projection", bias=False)
         add_by_index(inputs.span_sums, layout.span_of_token[inputs.filled : inputs.filled + n], normed)
         inputs.last = normed[-1]

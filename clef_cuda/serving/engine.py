@@ -741,6 +741,8 @@ class Engine:
         self.steps += 1
         offset = 0
         for seq, size in packed:
+            if seq.fingerprint is not None:  # what the head reads of each row, for the shadow's head check
+                seq.fingerprint.record_output(seq.position, hidden[offset : offset + size], self.sketch, seq.head)
             seq.head.consume(seq.inputs, seq.layout, hidden[offset : offset + size])
             offset += size
             seq.position += size
@@ -800,6 +802,7 @@ class Engine:
         if seq.fingerprint is not None:  # copied before the answer goes out; the answer is never touched again
             if ticket.adapter is not None:
                 self.adapters.hold(ticket.adapter)  # the sample's own hold: _settle lets go of the request's
+            seq.fingerprint.keep_head_inputs(seq.inputs, seq.layout, self.sketch)  # the span means, last row it read
             sample = ShadowSample(
                 ticket.request_id or f"#{ticket.id}",
                 seq.request,

@@ -10,12 +10,15 @@ from a copy of what it was answered with.
 Layer fingerprints (clef_cuda.model.fingerprint): a record is chosen for a sample when it is admitted, and its
 served pass sketches every layer's mixer and MLP input and output at a few positions and keeps the norms' and
 the MLP's rows whole there; the shadow run sketches the same on the reference ops and replays each norm and
-MLP on the reference ops from the served rows. A sample matches when every layer's output drift is within
-fingerprint_tolerance (of its kind, the serving dtype and the drift of the input it was handed), every norm
-and MLP replay's worst channel gain within replay_tolerance, and max |p_served - p_reference| over every
-option within probability_tolerance (the dtype, the depth). A mismatch names the first layer (and its kind)
-that differs, or the head when only the probabilities do. Comparing only the final probabilities is the blunt
-end: a softmax near 0 or 1 hides most of a wrong layer.
+MLP on the reference ops from the served rows. The served pass also sketches what the head read at every
+position, and each question's, option's and the last token's mean as the head held it. A sample matches when
+every layer's output drift is within fingerprint_tolerance (of its kind, the serving dtype and the drift of the
+input it was handed), every norm and MLP replay's worst channel gain within replay_tolerance, every span mean
+the head read within head_read_tolerance of the mean of its tokens' rows, and max |p_served - p_reference|
+over every option within record_probability_tolerance (the dtype, the depth, in fp32 the drift measured). A
+mismatch names the first layer (and its kind) that differs, or the head (the span it read wrong, or the
+probabilities). Comparing only the final probabilities is the blunt end: a softmax near 0 or 1 hides most of
+a wrong layer.
 
 Sampling is deterministic: with rate r, record k (counting every admitted record) is sampled when floor(k r) >
 floor((k - 1) r), so r = 0.01 checks every hundredth record and r = 1 every one. Up to SHADOW_QUEUE samples
@@ -28,8 +31,9 @@ SHADOW_FLOOR_SHARE (2%) of the steps' time. A run's memory: the engine's shadow 
 reserves it: plan.shadow_run_bytes) and one record's KV blocks lent from the engine's pool while free
 (Engine.lend_to_shadow); real work that needs them takes them back and the run starts over later.
 
-Tolerances: derived from the serving dtype's unit roundoff, the roundings of each layer and the depth, times a
-margin, with floors for fp32 (below, where they are defined); checked against healthy records on AVX2 and
+Tolerances: derived from the serving dtype's unit roundoff, the roundings of each layer (of the head's reads)
+and the depth, or in fp32's probabilities the drift each record was measured to carry, times a margin; floors
+for fp32's layers and replays (below, where they are defined); checked against healthy records on AVX2 and
 AVX-512 (benchmarks/shadow_tolerance.py). Enforcement is in proportion: see MARGINAL_FACTOR.
 """
 
@@ -50,11 +54,14 @@ from clef_cuda.decider import DEFAULT_BLOCK_SIZE, record_chunk
 from clef_cuda.model.adapters import Adapter, AdapterBatch
 from clef_cuda.model.config import LINEAR_ATTENTION
 from clef_cuda.model.fingerprint import (
+    SKETCH_WIDTH,
     CountSketch,
     Fingerprint,
     LayerProbe,
     channel_gain_error,
     fingerprint_drift,
+    head_read_error,
+    output_drift,
 )
 from clef_cuda.model.head import RecordLayout
 from clef_cuda.model.trunk import ChunkBatch
@@ -152,21 +159,87 @@ def replay_tolerance(dtype: torch.dtype, test: str) -> float:
     return max(REPLAY_FLOOR, FINGERPRINT_MARGIN * healthy_local_drift(dtype, test))
 
 
-# The probabilities: the head reads the trunk's output, which carries the drift of `depth` layers, each adding its
-# own (sqrt(ROUNDINGS["delta net"]) x u at most, independent): sqrt(5 depth) x u; the head maps a relative drift of
-# its input to at most as much in a probability (measured: 0.03-0.2 of it, HEAD_GAIN 1 bounds it), times the
-# margin (f16 at clef-tiny's depth 5: 1e-2, 1.8 u seen; bf16 0.7 u seen). In fp32 the floor: 4.6x the worst seen
-# (1.1e-5 on AVX-512, with a variant, where the drift of a few unsketched positions reached 1.8e-3; 3.5e-6 on
-# AVX2). A record past it with every layer matched is marginal (MARGINAL_FACTOR), not a mismatch.
+# The head's inputs (clef_cuda.model.fingerprint: head_read_error, output_drift). The head reads each question
+# and option through the mean of its span and the last token on its own: positions a fault can be confined to
+# while every layer fingerprint (8 positions) matches, and through which the probabilities could not flag it
+# (their tolerance at clef-flash's depth is 0.025 in f16, 0.20 in bf16). So the served pass keeps a count sketch
+# of what the head read at every position (its LayerNorm's output) and of each span mean and the last row it
+# held, and each question, option and the last token is checked: the head's mean against the mean of its
+# tokens' rows, both from the served pass (a sketch is linear). They differ only by roundings, all in the head's
+# dtype (fp32 by default) or fp32, relative to a row:
+#   - the head's sum of the span's n rows, one rounding a token (each within u of its partial sum, itself within
+#     k rows: sqrt(sum k^2) / n = sqrt(n / 3) rows' worth in quadrature, counted as n), and its division by n;
+#   - the sketches: a bucket sums hidden / SKETCH_WIDTH coordinates, in the mean's sketch and in each token's
+#     (whose errors average over the n), and the mean of the tokens' sketches adds n more.
+# So head_read_error <= FINGERPRINT_MARGIN x sqrt(1 + 2 n + 2 hidden / SKETCH_WIDTH) x u,
+# u the head dtype's unit roundoff, at least fp32's (head_read_tolerance; the margin as for every derived bound
+# here). No measured constant, nothing that grows with depth, and no drift excused: the head is held to what the
+# trunk computed, in any serving dtype. In numbers (fp32 head): a 70-token option at clef-tiny's hidden 64, 2.9e-6;
+# the last row at clef-flash's 4,096, 3.8e-6; healthy records measured 2.3 u of fp32 at worst (1.4e-7; 200
+# records of tests/test_shadow.py in f32, f16 and bf16, AVX2 and AVX-512: margins 10x or more). An option's row
+# read x 1.02 reads as 4-5e-3 (its tokens' rows average to a quarter of a row's norm), 1,400x its tolerance; a
+# question read a token early, 3e-2 to 1.3.
+#
+# What it cannot see: a fault in the trunk's output at those positions, read faithfully (a question's rows
+# written one token off): the layer fingerprints' domain at the positions they sketch, else the probabilities'.
+# Comparing the head's positions with the reference, against the drift at the record's other positions, was
+# tried and is unsound: on the test mix's LoRA variant the last attention layer drifts 45 u of f16 (1.9e-3 in
+# fp32) at some option tokens, against 6-20 u (f16) at every other position. A span the served pass restored
+# from the prefix cache in part is not checked (its tokens' rows were not sketched).
+def head_read_tolerance(head_dtype: torch.dtype, tokens: int, hidden: int) -> float:
+    """head_read_error's tolerance for a span of `tokens` (the last row: 1)."""
+    roundings = 1 + 2 * tokens + 2 * hidden / SKETCH_WIDTH
+    return FINGERPRINT_MARGIN * math.sqrt(roundings) * max(unit_roundoff(head_dtype), UNIT_ROUNDOFF[torch.float32])
+
+
+def accumulated_drift(dtype: torch.dtype, depth: int) -> float:
+    """The drift the trunk's output can carry from the roundings of `depth` layers, each adding its own
+    (sqrt(ROUNDINGS["delta net"]) x u at most, independent): sqrt(5 depth) x u."""
+    return math.sqrt(max(1, depth)) * healthy_local_drift(dtype, "delta net")
+
+
+# The probabilities: the head maps a relative drift of its inputs to at most as much in a probability (HEAD_GAIN 1;
+# measured 0.03-0.2 of it in f16), plus its own roundings (its layers, each rounding like a trunk layer, in the
+# head's dtype), times SHADOW_MARGIN. What it was handed:
+#   - in f16 and bf16, the drift the trunk's roundings accumulate over its depth (accumulated_drift; the
+#     tolerance: f16 at clef-tiny's depth 5, 9.8e-3, at clef-flash's 32, 2.5e-2; bf16 7.8e-2 and 2.0e-1), which
+#     bounds every healthy record measured (1.8 u seen in f16, 0.7 u in bf16, at depth 5);
+#   - in fp32, where the order of sums differs and the model's conditioning amplifies it (no bound from u is
+#     tight; the floor this replaces, 5e-5, was the worst record seen, 1.1e-5, times 4.6), the drift the rows
+#     the head read were measured to carry on this record, served against reference (output_drift, over every
+#     position: the head's memory reads them all), but no more than the trunk's last layer was allowed to carry
+#     (its MLP's fingerprint tolerance), and none where a layer is past its tolerance: a drift past that is the
+#     layer's mismatch, not an excuse for the head.
+# So a record's tolerance is SHADOW_MARGIN x HEAD_GAIN x (max(accumulated, min(measured, last layer's allowed)) +
+# sqrt(5 head layers) x u_head): record_probability_tolerance. No floor. A record past it with every layer and
+# head input matched is marginal (MARGINAL_FACTOR), not a mismatch.
 SHADOW_MARGIN = 4.0
 HEAD_GAIN = 1.0
-SHADOW_FLOOR = 5e-5
+HEAD_ROUNDINGS_PER_LAYER = 5
 
 
 def probability_tolerance(dtype: torch.dtype, depth: int) -> float:
-    """max |p_served - p_reference| a healthy record stays within, at the serving dtype and the trunk's depth."""
-    handed = math.sqrt(max(1, depth)) * healthy_local_drift(dtype, "delta net")
-    return max(SHADOW_FLOOR, SHADOW_MARGIN * HEAD_GAIN * handed)
+    """max |p_served - p_reference| from the trunk's accumulated roundings alone (the record's own tolerance,
+    record_probability_tolerance, is at least this): SHADOW_MARGIN x HEAD_GAIN x sqrt(5 depth) x u."""
+    return SHADOW_MARGIN * HEAD_GAIN * accumulated_drift(dtype, depth)
+
+
+def record_probability_tolerance(
+    dtype: torch.dtype,
+    depth: int,
+    measured: float | None = None,
+    allowed: float | None = None,
+    head_dtype: torch.dtype = torch.float32,
+    head_layers: int = 0,
+) -> float:
+    """max |p_served - p_reference| for one record: what the head was handed (the trunk's accumulated roundings,
+    or the drift its inputs were `measured` to carry, no more than the last layer was `allowed`) and the head's
+    own roundings over `head_layers` layers."""
+    handed = accumulated_drift(dtype, depth)
+    if measured is not None and math.isfinite(measured):
+        handed = max(handed, min(measured, allowed if allowed is not None else math.inf))
+    own = math.sqrt(HEAD_ROUNDINGS_PER_LAYER * head_layers) * unit_roundoff(head_dtype)
+    return SHADOW_MARGIN * HEAD_GAIN * (handed + own)
 
 
 @dataclass(frozen=True)
@@ -223,6 +296,24 @@ class LayerCheck:
         return self.error <= self.tolerance  # NaN compares false: fails
 
 
+@dataclass(frozen=True)
+class HeadInputCheck:
+    """One question, option or the last token: the mean the served head read against its tokens' rows as the
+    served trunk computed them (head_read_error, head_read_tolerance)."""
+
+    what: str  # "question 'q'", "option 'o' of 'q'", "the last token"
+    error: float
+    tolerance: float
+    tokens: int  # of the span
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance  # NaN compares false: fails
+
+    def describe(self) -> str:
+        return f"{self.what}: the head's mean of its {self.tokens} token(s) is not the mean of their rows"
+
+
 @dataclass
 class ShadowResult:
     sample: ShadowSample
@@ -230,16 +321,28 @@ class ShadowResult:
     max_abs_error: float
     worst_question: str
     layers: list[LayerCheck] = field(default_factory=list)  # in layer order, mixer before MLP
+    head_inputs: list[HeadInputCheck] = field(default_factory=list)  # questions, options, the last token
+    tolerance: float | None = None  # of the probabilities, for this record (None: the verifier's)
+    head_drift: float | None = None  # the largest drift of a row the head read, served against reference
+    last_layer_allowed: float | None = None  # the drift tolerance of the trunk's last layer (its MLP's)
 
     @property
     def first_bad_layer(self) -> LayerCheck | None:
         return next((check for check in self.layers if not check.passed), None)
 
+    @property
+    def first_bad_head_input(self) -> HeadInputCheck | None:
+        return next((check for check in self.head_inputs if not check.passed), None)
+
     def where(self, tolerance: float) -> tuple[str, str]:
-        """(layer, kind) of the first difference over its tolerance: a layer's, else the head's ("-", "head")."""
+        """(layer, kind) of the first difference over its tolerance: a layer's, else the head's ("-", "head": an
+        input it read, or the probabilities past `tolerance`, or this record's own)."""
         bad = self.first_bad_layer
         if bad is not None:
             return str(bad.layer), bad.kind
+        if self.first_bad_head_input is not None:
+            return "-", "head"
+        tolerance = self.tolerance if self.tolerance is not None else tolerance
         return ("-", "head") if self.max_abs_error > tolerance else ("-", "-")
 
     def side_by_side(self, confidence: str = "clef") -> str:
@@ -336,6 +439,8 @@ class ShadowRun:
         hidden = self.trunk.forward(
             ChunkBatch.build([chunk], self.cache.block_size, self.decider.device), self.cache, lora, probe
         )
+        if self.fingerprint is not None:
+            self.fingerprint.record_output(self.position, hidden, self.sketch, self.sample.head)
         self.sample.head.consume(self.inputs, self.layout, hidden)
         self.position += size
         return self.position == record.num_tokens
@@ -360,6 +465,28 @@ class ShadowRun:
                     tolerance = fingerprint_tolerance(dtype, kind, handed)
                     checks.append(LayerCheck(layer, kind, drift, tolerance, "drift", handed))
         return checks
+
+    def head_input_checks(self) -> tuple[list[HeadInputCheck], float | None]:
+        """Each question, option and the last token the served head read, against its tokens' rows
+        (head_read_tolerance); and the largest drift of a row the head read, served against reference
+        (output_drift). Empty and None when the served pass kept none."""
+        served = self.sample.fingerprint
+        if served is None or served.head_rows is None or self.fingerprint is None:
+            return [], None
+        record, head = self.sample.record, self.sample.head
+        outputs, computed = served.output_sketches(record.num_tokens)
+        reference_outputs, _ = self.fingerprint.output_sketches(record.num_tokens)
+        errors = head_read_error(served.head_rows, outputs, computed, self.layout).tolist()
+        names = [f"question {q.question_id!r}" for q in record.questions]
+        names += [f"option {o!r} of {q.question_id!r}" for q in record.questions for o in q.option_ids]
+        tokens = [int(n) for n in self.layout.span_lengths.tolist()] + [1]
+        hidden = self.decider.config.trunk.hidden_size
+        checks = [
+            HeadInputCheck(what, error, head_read_tolerance(head.dtype, n, hidden), n)
+            for what, error, n in zip([*names, "the last token"], errors, tokens, strict=True)
+            if not math.isnan(error)  # restored from the prefix cache in part: its rows were not sketched
+        ]
+        return checks, output_drift(outputs, reference_outputs, computed)
 
     def give_back(self) -> None:
         """The lent KV blocks back to the engine's pool (once)."""
@@ -408,7 +535,21 @@ class ShadowRun:
             error = max(abs(a - b) if math.isfinite(b) else math.inf for a, b in zip(served, shadow, strict=True))
             if error > worst or not worst_question:
                 worst, worst_question = error, question.question_id
-        return ShadowResult(self.sample, probabilities, worst, worst_question, self.layer_checks())
+        layers, (inputs, measured) = self.layer_checks(), self.head_input_checks()
+        config, dtype = self.decider.config, self.trunk.dtype
+        # The most the trunk's last layer may carry (its MLP's drift tolerance); a drift past a layer's excuses
+        # nothing, so a record with a layer past its tolerance is held to the depth's roundings alone.
+        last = [c for c in layers if c.layer == config.trunk.num_layers - 1 and c.kind == "MLP" and c.test == "drift"]
+        allowed = last[0].tolerance if last else None
+        if any(not c.passed for c in layers):
+            measured = None
+        head_layers = config.head.routing_layers + config.head.layers + 2  # + the input stage and the scorer
+        tolerance = record_probability_tolerance(
+            dtype, config.trunk.num_layers, measured, allowed, head.dtype, head_layers
+        )
+        return ShadowResult(
+            self.sample, probabilities, worst, worst_question, layers, inputs, tolerance, measured, allowed
+        )
 
 
 @dataclass
@@ -423,6 +564,10 @@ class ShadowStats:
     # Per kind of layer output, each checked sample's worst local drift, and per replay ("norm replay", "MLP
     # replay") its worst channel gain (the tolerance benchmark reads them): the last 1,000 samples' values.
     layer_errors: dict[str, list[float]] = field(default_factory=dict)
+    # Each checked sample's worst head input (error, tolerance, tokens) and its probabilities' (max |dp|, their
+    # tolerance): the last 1,000 (the tolerance benchmark reads them).
+    head_inputs: list[tuple[float, float, int]] = field(default_factory=list)
+    probabilities: list[tuple[float, float]] = field(default_factory=list)
     mismatches_by_layer: dict[tuple[str, str], int] = field(default_factory=dict)  # (layer, kind) -> count
     last_mismatch: dict | None = None  # for /ready: request, layer, kind, error, tolerance
     first_mismatch: dict | None = None
@@ -599,6 +744,12 @@ class ShadowVerifier:
             replays = [c.error for c in result.layers if c.test == test]
             if replays:
                 s.layer_errors[test] = (s.layer_errors.get(test, []) + [max(replays)])[-1000:]
+        if result.tolerance is not None:
+            self.tolerance = result.tolerance  # this record's (clef_shadow_tolerance shows the last one)
+        if result.head_inputs:
+            worst = max(result.head_inputs, key=lambda c: c.error / c.tolerance)
+            s.head_inputs = (s.head_inputs + [(worst.error, worst.tolerance, worst.tokens)])[-1000:]
+        s.probabilities = (s.probabilities + [(result.max_abs_error, self.tolerance)])[-1000:]
 
         layer, kind = result.where(self.tolerance)
         if kind == "-":
@@ -606,7 +757,8 @@ class ShadowVerifier:
             s.recent.append("match")
             return
         escalated = ""
-        if kind == "head" and result.max_abs_error <= MARGINAL_FACTOR * self.tolerance:
+        bad_input = result.first_bad_head_input
+        if kind == "head" and bad_input is None and result.max_abs_error <= MARGINAL_FACTOR * self.tolerance:
             s.marginal += 1
             s.recent.append("marginal")
             seen = s.recent.count("marginal")
@@ -631,9 +783,15 @@ class ShadowVerifier:
         s.mismatch += 1
         s.mismatches_by_layer[(layer, kind)] = s.mismatches_by_layer.get((layer, kind), 0) + 1
         bad = result.first_bad_layer
-        error, tolerance = (bad.error, bad.tolerance) if bad is not None else (result.max_abs_error, self.tolerance)
-        check = f" {bad.test}" if bad is not None and bad.test != "drift" else ""
-        where = f"layer {layer} ({kind}{check})" if kind != "head" else "the head (every layer's fingerprint matched)"
+        if bad is not None:
+            error, tolerance, check = bad.error, bad.tolerance, bad.test
+            where = f"layer {layer} ({kind}{f' {bad.test}' if bad.test != 'drift' else ''})"
+        elif bad_input is not None:
+            error, tolerance, check = bad_input.error, bad_input.tolerance, "head input"
+            where = f"the head's input, {bad_input.describe()}; every layer's fingerprint matched"
+        else:
+            error, tolerance, check = result.max_abs_error, self.tolerance, "probabilities"
+            where = "the head (every layer's fingerprint and head input matched)"
         where += escalated
         s.last_mismatch = {
             "request_id": result.sample.request_id,
@@ -641,7 +799,7 @@ class ShadowVerifier:
             "kind": kind,
             "error": error,
             "tolerance": tolerance,
-            "check": bad.test if bad is not None else "probabilities",
+            "check": check,
             "max_abs_dp": result.max_abs_error,
         }
         if s.first_mismatch is None:
