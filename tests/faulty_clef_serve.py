@@ -6,18 +6,23 @@ tp:<fault>, one of tests/tp_worker_faults.py's on rank 0 (armed by CLEF_TEST_TP_
 (the shadow run's reference attention out of memory while CLEF_TEST_TP_FAULT_ARMED exists; the serving ops healthy)
 or near_tolerance_when_armed (healthy ops; while armed, each record's probability tolerance is half its
 difference: it lands just past it, every layer matched, as a healthy record on another machine can).
-Test-only; nothing in clef_cuda or app imports this."""
+Its children run the tests' own entry points: the kernel trial process tests/trial_faults.py and each tensor-parallel
+worker tests/tp_worker_faults.py, each healthy unless its own variables name a fault (their docstrings).
+Run by tests/live.py's launcher (ClefServe with `faults`); test-only: nothing in clef_cuda or app imports this."""
 
 from __future__ import annotations
 
 import os
 import sys
 
+import tp_worker_faults
+import trial_faults
 from faults import KeyBandZeroedOps, OpFault
 
 from app.cli import main
 from clef_cuda.decider import Decider
 from clef_cuda.model.config import load_release_config
+from clef_cuda.serving import tensor_parallel, trial
 
 _load = Decider.from_release.__func__
 
@@ -45,7 +50,8 @@ def _reference_oom_when_armed():
 
 def _near_tolerance_when_armed():
     """While armed, the shadow judges each record with its probability tolerance at half the record's healthy
-    difference: the record lands just past it, every layer matched."""
+    difference: the record lands just past it, every layer matched. The record's own tolerance is the one judged
+    (ShadowResult.tolerance; the verifier's is only the fallback): setting the verifier's alone fired nothing."""
     from clef_cuda.serving.shadow import ShadowVerifier
 
     judge = ShadowVerifier._judge
@@ -53,7 +59,7 @@ def _near_tolerance_when_armed():
     def near(self, result):
         saved = self.tolerance
         if os.path.exists(os.environ["CLEF_TEST_TP_FAULT_ARMED"]) and result.max_abs_error > 0:
-            self.tolerance = result.max_abs_error / 2
+            result.tolerance = result.max_abs_error / 2
         try:
             judge(self, result)
         finally:
@@ -77,9 +83,7 @@ def _faulty_ops(path):
     if fault == "sticky_rope_when_armed":
         return OpFault("rms_norm_rope", _sticky_when_armed)
     if fault.startswith("tp:"):
-        from tp_worker_faults import rank0_ops
-
-        return rank0_ops(fault.removeprefix("tp:"))
+        return tp_worker_faults.rank0_ops(fault.removeprefix("tp:"))
     raise SystemExit(f"faulty_clef_serve.py: unknown CLEF_TEST_FAULT={fault!r}")
 
 
@@ -88,6 +92,8 @@ def _faulty_load(cls, path, *args, **kwargs):
 
 
 Decider.from_release = classmethod(_faulty_load)
+trial.CHILD_COMMAND = trial_faults.CHILD_COMMAND
+tensor_parallel.WORKER_COMMAND = tp_worker_faults.WORKER_COMMAND
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 import uvicorn
 
 from app.server import ServerSettings, create_app
@@ -67,41 +69,108 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ClefServe:
+    """`clef-serve ARGS --host 127.0.0.1 --p PORT` as a child process, started at once, its output kept (stdout and
+    stderr, by line, in `output`). The one launcher of clef-serve for the tests and the benchmarks.
+
+    `env` adds variables. `faults`, when given, runs tests/faulty_clef_serve.py instead of `python -m app`: the
+    test-only fault hooks, picked by these variables (CLEF_TEST_FAULT "none" unless they name one; the trial process
+    and the worker ranks run tests/trial_faults.py and tests/tp_worker_faults.py, healthy unless the variables name
+    their faults). Nothing reaches a plain clef-serve: it reads no test hook from its environment."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, faults: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        entry = ["-m", "app"] if faults is None else [str(Path(__file__).parent / "faulty_clef_serve.py")]
+        hooks = {} if faults is None else {"CLEF_TEST_FAULT": "none"} | faults
+        self.process = subprocess.Popen(
+            [sys.executable, *entry, *args, "--host", "127.0.0.1", "--p", str(self.port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=os.environ | hooks | (env or {}),
+            cwd=Path(__file__).parents[1],
+        )
+        self.output: list[str] = []
+        self.exited_at: float | None = None  # time.monotonic() when the process ended (a thread waits for it)
+        self._reader = threading.Thread(target=lambda: self.output.extend(self.process.stdout), daemon=True)
+        self._reader.start()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        self.process.wait()
+        self.exited_at = time.monotonic()
+
+    def text(self) -> str:
+        """The output so far (all of it once the process and its children have ended)."""
+        if self.process.poll() is not None:
+            self._reader.join(5)
+        return "".join(self.output)
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(self.url + "/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout: float = WAIT_SECONDS) -> bool:
+        """Whether /ready answered 200 within `timeout` seconds (False at once if the process ended)."""
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None and time.monotonic() < deadline:
+            if self.ready():
+                return True
+            time.sleep(0.1)
+        return False
+
+    def assert_ready(self, timeout: float = WAIT_SECONDS) -> None:
+        if not self.wait_ready(timeout):
+            ended = self.process.poll()
+            why = f"exited ({ended})" if ended is not None else f"was not ready in {timeout:.0f} s"
+            raise AssertionError(f"clef-serve {why}:\n{self.text()[-4000:]}")
+
+    def workers(self) -> list[psutil.Process]:
+        """Its tensor-parallel worker ranks (psutil processes; the kernel trial process is not one)."""
+        try:
+            children = psutil.Process(self.process.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        found = []
+        for child in children:
+            try:
+                if "--rank" in child.cmdline():
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def stop(self, grace: float = 30) -> int:
+        """SIGTERM (a graceful drain), then SIGKILL after `grace` seconds; the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+        self._reader.join(5)
+
+
 @contextlib.contextmanager
 def clef_serve_process(
-    *args: str, ready_timeout: float = WAIT_SECONDS, env: dict[str, str] | None = None, faulty: bool = False
+    *args: str,
+    ready_timeout: float = WAIT_SECONDS,
+    env: dict[str, str] | None = None,
+    faults: dict[str, str] | None = None,
 ):
-    """`clef-serve ARGS --host 127.0.0.1 --p PORT` as a child process, once /ready answers 200; yields
-    (url, process, output lines so far). Killed on exit. `env` adds variables; `faulty` runs
-    tests/faulty_clef_serve.py (a test-only fault in every model it loads) instead."""
-    port = free_port()
-    entry = [str(Path(__file__).parent / "faulty_clef_serve.py")] if faulty else ["-m", "app"]
-    process = subprocess.Popen(
-        [sys.executable, *entry, *args, "--host", "127.0.0.1", "--p", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=os.environ | (env or {}),
-        cwd=Path(__file__).parents[1],
-    )
-    url = f"http://127.0.0.1:{port}"
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
-    reader.start()
+    """ClefServe(ARGS) once /ready answers 200; yields (url, process, output lines so far). Killed on exit."""
+    server = ClefServe(*args, env=env, faults=faults)
     try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            assert process.poll() is None, "".join(output)
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "clef-serve did not become ready"
-            time.sleep(0.1)
-        yield url, process, output
+        server.assert_ready(ready_timeout)
+        yield server.url, server.process, server.output
     finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(30)
-        reader.join(5)
+        server.kill()

@@ -4,19 +4,20 @@ failed, never run by the server, and its op answered by the reference; a fault t
 process is named by kernel, recorded, and the process exits so its supervisor restarts it without that kernel.
 
 No GPU here: the trial process runs on the CPU (--kernel-trials child), with test-only candidates that fail the
-ways a never-run GPU kernel can (tests/trial_candidates.py), and a test-only op that raises the error a sticky
-CUDA fault raises (tests/faulty_clef_serve.py). A server that ran any of them in its own process would die."""
+ways a never-run GPU kernel can (tests/trial_faults.py, run as the trial process: trial.CHILD_COMMAND), and a
+test-only op that raises the error a sticky CUDA fault raises (tests/faulty_clef_serve.py). A server that ran any of
+them in its own process would die."""
 
 from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
+import trial_faults
 from conftest import cuda_available
 from live import clef_serve_process, wait_until
 from parity import PARITY_BOUND, assert_answers_match, reference_response
@@ -30,8 +31,6 @@ from clef_cuda.serving.cuda_errors import classify
 from clef_cuda.serving.engine import EngineConfig
 from clef_cuda.serving.guarded_ops import GUARDED_OPS, GuardedOps, KernelFault
 
-ROOT = Path(__file__).resolve().parents[1]
-CANDIDATES = str(ROOT / "tests" / "trial_candidates.py")
 CONFIG = EngineConfig(max_model_len=4096, kv_fraction=0.05, prefill_chunk_size=256, max_num_seqs=2)
 
 
@@ -198,8 +197,8 @@ def test_the_trials_record_a_crash_a_sticky_error_and_a_hang(tiny, monkeypatch):
     """Three never-run candidates in the trial processes: one kills its process (SIGSEGV), one leaves a sticky
     CUDA error, one never returns. Each is recorded as failed, with what happened, and never chosen; the
     others are tuned as usual, and the same trial run on healthy kernels reports no failure."""
-    monkeypatch.setenv(tuning.TEST_CANDIDATES_ENV, CANDIDATES)
-    monkeypatch.setenv("CLEF_TEST_CANDIDATE_SET", "crash,sticky,hang")
+    monkeypatch.setattr(trial, "CHILD_COMMAND", trial_faults.CHILD_COMMAND)
+    monkeypatch.setenv(trial_faults.CANDIDATES_ENV, "crash,sticky,hang")
     monkeypatch.setattr(trial, "UNIT_TIMEOUT_S", 15.0)
     buckets = tuning.attention_buckets("fast", CONFIG.max_num_seqs, CONFIG.prefill_chunk_size, CONFIG.max_model_len)
     report = trial.tune_in_trials(tiny.trunk, CONFIG, "fast", buckets, {"test": 1})
@@ -214,7 +213,7 @@ def test_the_trials_record_a_crash_a_sticky_error_and_a_hang(tiny, monkeypatch):
     assert chosen and not chosen & {"test-crash", "test-sticky", "test-hang"}
     assert {r.candidate for r in report.rows if r.ms is not None} >= {"ours", "sdpa-flash"}
 
-    monkeypatch.delenv(tuning.TEST_CANDIDATES_ENV)
+    monkeypatch.delenv(trial_faults.CANDIDATES_ENV)
     healthy = trial.tune_in_trials(tiny.trunk, CONFIG, "fast", buckets, {"test": 2})
     assert healthy.failures == {} and healthy.choices["paged_attention"]
 
@@ -225,7 +224,7 @@ def test_a_trial_process_that_cannot_start_makes_the_trials_unavailable_not_the_
     """A trial process that dies before it has a device (an exclusive-process GPU, a transient out-of-memory) says
     nothing about any kernel: the trials are unavailable, this process keeps every untried kernel from running
     (its op on the reference), and nothing is cached, so the next start tries again."""
-    monkeypatch.setattr(trial.sys, "executable", "/bin/false")
+    monkeypatch.setattr(trial, "CHILD_COMMAND", ("/bin/false",))
     monkeypatch.setattr(trial, "START_RETRY_S", 0.0)
     report = trial.tune_in_trials(tiny.trunk, CONFIG, "off", [], {"test": 3})
     expected = {f"{op}:cpu" for op in GUARDED_OPS} | {"paged_attention:cpu", "gated_delta_rule_chunk:cpu"}
@@ -247,7 +246,8 @@ def test_the_real_layer_checks_and_the_int8_tune_run_in_the_trial_process(monkey
     buckets = tuning.attention_buckets("fast", CONFIG.max_num_seqs, CONFIG.prefill_chunk_size, CONFIG.max_model_len)
     report = trial.tune_in_trials(int8.trunk, CONFIG, "fast", buckets, {"test": 4})
     assert report.failures == {} and set(report.choices["int8_linear"]) == {n for n, _ in tuning.int8_buckets(CONFIG)}
-    monkeypatch.setenv(trial.TEST_FAULT_ENV, "crash_in:selfcheck:delta_net")
+    monkeypatch.setattr(trial, "CHILD_COMMAND", trial_faults.CHILD_COMMAND)
+    monkeypatch.setenv(trial_faults.FAULT_ENV, "crash_in:selfcheck:delta_net")
     crashed = trial.tune_in_trials(int8.trunk, CONFIG, "off", [], {"test": 5})
     assert list(crashed.failures) == ["selfcheck:delta_net"], crashed.failures
     assert crashed.failures["selfcheck:delta_net"].startswith("crashed its trial process (killed by SIGSEGV)")
@@ -265,7 +265,7 @@ def test_a_server_comes_up_serving_right_around_a_kernel_that_kills_its_trial(tm
     the failures, and its autotune cache names the candidates as failed, so a restart does not try them again."""
     release = tiny_release()
     cache = tmp_path / "autotune"
-    env = {tuning.TEST_CANDIDATES_ENV: CANDIDATES, "CLEF_TEST_CANDIDATE_SET": "crash,sticky"}
+    faults = {trial_faults.CANDIDATES_ENV: "crash,sticky"}
     args = (
         "--w",
         str(release),
@@ -284,7 +284,7 @@ def test_a_server_comes_up_serving_right_around_a_kernel_that_kills_its_trial(tm
         random_request(random.Random(seed), state_words=(40, 300), null_score_levels=False) for seed in range(3)
     ]
     expected = [reference_response(reference_model(release), r) for r in requests]
-    with clef_serve_process(*args, env=env, ready_timeout=600) as (url, _, output):
+    with clef_serve_process(*args, faults=faults, ready_timeout=600) as (url, _, output):
         ready = httpx.get(url + "/ready").json()
         failed_metric = {
             line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("clef_kernel_failed{")
@@ -307,7 +307,7 @@ def test_a_server_comes_up_serving_right_around_a_kernel_that_kills_its_trial(tm
     assert set(cached["choices"]["paged_attention"].values()) <= {"ours", "sdpa-flash", "sdpa-math"}
     assert any("FAILED KERNEL paged_attention:test-crash" in line for line in output)
     # The restart reads it: no trial process runs, the same failures are kept from running, the same choices run.
-    with clef_serve_process(*args, env=env, ready_timeout=600) as (url, _, _):
+    with clef_serve_process(*args, faults=faults, ready_timeout=600) as (url, _, _):
         again = httpx.get(url + "/ready").json()["autotune"]
     assert again["cached"] and again["failures"] == failures and again["choices"] == cached["choices"]
 
@@ -320,7 +320,8 @@ def test_a_server_whose_trials_are_unavailable_serves_on_the_reference_and_cache
     args = ("--w", str(release), "--d", "cpu", "--kernel-trials", "child", "--autotune-cache", str(cache))
     request = random_request(random.Random(3), state_words=(40, 200), null_score_levels=False)
     want, unrounded = reference_response(reference_model(release), request)
-    with clef_serve_process(*args, env={trial.TEST_FAULT_ENV: "busy_at_start"}, ready_timeout=600) as (url, _, _):
+    faults = {trial_faults.FAULT_ENV: "busy_at_start"}
+    with clef_serve_process(*args, faults=faults, ready_timeout=600) as (url, _, _):
         ready = httpx.get(url + "/ready")
         got = httpx.post(url + "/v1/systemone", json=request, timeout=60)
     assert ready.status_code == 200
@@ -340,7 +341,7 @@ def test_a_sticky_fault_while_serving_exits_naming_the_kernel_and_the_restart_ru
     release = tiny_release()
     cache = tmp_path / "autotune"
     armed = tmp_path / "armed"
-    env = {"CLEF_TEST_FAULT": "sticky_rope_when_armed", "CLEF_TEST_FAULT_ARMED": str(armed)}
+    faults = {"CLEF_TEST_FAULT": "sticky_rope_when_armed", "CLEF_TEST_FAULT_ARMED": str(armed)}
     args = (
         "--w",
         str(release),
@@ -355,7 +356,7 @@ def test_a_sticky_fault_while_serving_exits_naming_the_kernel_and_the_restart_ru
     )
     request = random_request(random.Random(7), state_words=(40, 200), null_score_levels=False)
     want, unrounded = reference_response(reference_model(release), request)
-    with clef_serve_process(*args, env=env, faulty=True) as (url, process, output):
+    with clef_serve_process(*args, faults=faults) as (url, process, output):
         armed.touch()
         response = httpx.post(url + "/v1/systemone", json=request, timeout=60)
         assert response.status_code == 503, response.text
@@ -366,7 +367,7 @@ def test_a_sticky_fault_while_serving_exits_naming_the_kernel_and_the_restart_ru
     assert len(fault_lines) == 1 and "recorded as failed in the autotune cache" in fault_lines[0], output[-20:]
     (path,) = cache.glob("autotune-*.json")
     assert "rms_norm_rope:cpu" in json.loads(path.read_text())["report"]["failures"]
-    with clef_serve_process(*args, env=env, faulty=True) as (url, _, output):
+    with clef_serve_process(*args, faults=faults) as (url, _, output):
         response = httpx.post(url + "/v1/systemone", json=request, timeout=60)
         assert response.status_code == 200, response.text
         assert_answers_match(response.json()["answers"], want["answers"], unrounded)

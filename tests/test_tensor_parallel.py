@@ -19,11 +19,11 @@ import httpx
 import psutil
 import pytest
 import torch
-from live import clef_serve_process
+from live import ClefServe, clef_serve_process
 from parity import INT8_BOUNDS, assert_answers_match, assert_response_matches, reference_response
 from random_requests import random_request
 from releases import clef_ratio_release, flash_config_release, reference_model, tiny_release, tp4_release
-from tp_worker_faults import ARMED_ENV, FAULT_ENV, rank0_ops
+from tp_worker_faults import ARMED_ENV, FAULT_ENV, WORKER_COMMAND, rank0_ops
 
 from clef_cuda import Decider
 from clef_cuda.errors import NumericalOverflowError
@@ -32,12 +32,12 @@ from clef_cuda.model.shard import Shard, local_config
 from clef_cuda.model.vocab_tables import VOCAB_TABLES, VocabShard
 from clef_cuda.model.weights import load_release_weights
 from clef_cuda.request import answers
+from clef_cuda.serving import tensor_parallel
 from clef_cuda.serving.engine import Engine, EngineConfig
 from clef_cuda.serving.shadow import ShadowConfig
-from clef_cuda.serving.tensor_parallel import TEST_WORKER_OPS_ENV, RemoteVisionTower, StepFailedOnRank, TensorParallel
+from clef_cuda.serving.tensor_parallel import RemoteVisionTower, StepFailedOnRank, TensorParallel
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER_FAULTS = str(ROOT / "tests" / "tp_worker_faults.py")
 TP_BOUND = 1e-5  # |p_TP - p_one device| in fp32: the partial sums add in another order, nothing else differs
 
 
@@ -261,7 +261,7 @@ def no_leak(engine: Engine) -> None:
 
 def worker_fault(monkeypatch, fault: str) -> None:
     """Every worker rank started from now on runs tests/tp_worker_faults.py's `fault`."""
-    monkeypatch.setenv(TEST_WORKER_OPS_ENV, WORKER_FAULTS)
+    monkeypatch.setattr(tensor_parallel, "WORKER_COMMAND", WORKER_COMMAND)
     monkeypatch.setenv(FAULT_ENV, fault)
 
 
@@ -412,77 +412,47 @@ def test_the_plan_per_rank_fits_clef_flash_in_f16_on_two_16_gb_cards(tmp_path):
     assert one.returncode == 3, one.stdout
 
 
-def start_server(port: int, *flags: str, env: dict | None = None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "app.cli", "--w", str(tiny_release()), "--d", "cpu", "--port", str(port)]
-    return subprocess.Popen(
-        [*command, "--tp", "2", *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-
-
-def wait_ready(port: int, server: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert server.poll() is None, server.stdout.read()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("the server did not become ready")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_of(server: subprocess.Popen) -> psutil.Process:
-    (worker,) = [p for p in psutil.Process(server.pid).children() if "tensor_parallel" in " ".join(p.cmdline())]
-    return worker
+def start_server(*flags: str, faults: dict[str, str] | None = None) -> ClefServe:
+    """clef-serve over two ranks on the tiny release (tests/live.py's launcher; `faults`: its test-only hooks)."""
+    return ClefServe("--w", str(tiny_release()), "--d", "cpu", "--tp", "2", *flags, faults=faults)
 
 
 def test_a_killed_worker_turns_ready_503_and_the_server_exits_5():
-    port = free_port()
-    server = start_server(port)
+    server = start_server()
     try:
-        wait_ready(port, server)
+        server.assert_ready(240)
         request = {
             "model": "clef-flash",
             "state": "disk full on db-1",
             "questions": {"q": {"type": "noul", "instructions": "Down?"}},
         }
-        assert httpx.post(f"http://127.0.0.1:{port}/v1/systemone", json=request, timeout=60).status_code == 200
-        worker_of(server).kill()
+        assert httpx.post(server.url + "/v1/systemone", json=request, timeout=60).status_code == 200
+        (worker,) = server.workers()
+        worker.kill()
         statuses = []
         deadline = time.monotonic() + 10
-        while server.poll() is None and time.monotonic() < deadline:
+        while server.process.poll() is None and time.monotonic() < deadline:
             try:
-                statuses.append(httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code)
+                statuses.append(httpx.get(server.url + "/ready", timeout=1).status_code)
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        assert server.wait(10) == 5
+        assert server.process.wait(10) == 5
         assert 503 in statuses and 200 not in statuses[statuses.index(503) :], statuses
-        assert "tensor-parallel rank 1 exited" in server.stdout.read()
+        assert "tensor-parallel rank 1 exited" in server.text()
     finally:
-        if server.poll() is None:
-            server.kill()
+        server.kill()
 
 
 def test_a_hung_worker_fails_the_step_within_the_timeout_and_the_server_exits_5():
     """A worker stopped (SIGSTOP: alive, answering nothing): the next step's collective outlasts
     --tensor-parallel-timeout, the request gets a 503 with the contract's body, counted, /ready 503, exit 5;
     never a hang."""
-    port = free_port()
-    server = start_server(port, "--tensor-parallel-timeout", "3s")
+    server = start_server("--tensor-parallel-timeout", "3s")
     worker = None
     try:
-        wait_ready(port, server)
-        worker = worker_of(server)
+        server.assert_ready(240)
+        (worker,) = server.workers()
         os.kill(worker.pid, signal.SIGSTOP)
         request = {
             "model": "clef-flash",
@@ -490,64 +460,40 @@ def test_a_hung_worker_fails_the_step_within_the_timeout_and_the_server_exits_5(
             "questions": {"q": {"type": "noul", "instructions": "Down?"}},
         }
         started = time.monotonic()
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/systemone", json=request, timeout=60)
+        response = httpx.post(server.url + "/v1/systemone", json=request, timeout=60)
         assert response.status_code == 503 and time.monotonic() - started < 3 + 10, response.text
         detail = response.json()["detail"]
         assert detail["error_type"] == "service_unavailable" and "tensor-parallel" in detail["message"], detail
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        metrics = httpx.get(server.url + "/metrics", timeout=5).text
         assert 'clef_requests_total{status="503"} 1.0' in metrics
-        ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+        ready = httpx.get(server.url + "/ready", timeout=5)
         assert ready.status_code == 503 and "tensor-parallel" in ready.json()["detail"]["message"]
-        assert server.wait(30) == 5
+        assert server.process.wait(30) == 5
     finally:
         if worker is not None and worker.is_running():
             worker.kill()
-        if server.poll() is None:
-            server.kill()
+        server.kill()
 
 
-def test_a_worker_killed_before_the_rendezvous_takes_the_server_down_within_seconds_and_every_rank_with_it(monkeypatch):
+def test_a_worker_killed_before_the_rendezvous_takes_the_server_down_within_seconds_and_every_rank_with_it():
     """A worker of three that dies while the ranks load (here: hung in its load, then killed): the server does not
     wait for a rendezvous that cannot happen; /ready says why, the process exits 5 within 15 s of the death
     (was 600 s in the TCPStore, then kept alive 'failed'), and the other two workers are gone with it."""
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "app.cli",
-        "--w",
-        str(tp4_release()),
-        "--d",
-        "cpu",
-        "--port",
-        str(port),
-        "--tp",
-        "4",
-    ]
-    env = os.environ | {TEST_WORKER_OPS_ENV: WORKER_FAULTS, FAULT_ENV: "hang_at_start"}
-    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    server = ClefServe("--w", str(tp4_release()), "--d", "cpu", "--tp", "4", faults={FAULT_ENV: "hang_at_start"})
     try:
         deadline = time.monotonic() + 120
-        while (
-            len(
-                workers := [
-                    p for p in psutil.Process(server.pid).children() if "tensor_parallel" in " ".join(p.cmdline())
-                ]
-            )
-            < 3
-        ):
-            assert time.monotonic() < deadline and server.poll() is None
+        while len(workers := server.workers()) < 3:
+            assert time.monotonic() < deadline and server.process.poll() is None, server.text()
             time.sleep(0.1)
         workers[1].kill()
         killed = time.monotonic()
-        assert server.wait(30) == 5
-        assert time.monotonic() - killed <= 15
+        assert server.process.wait(30) == 5
+        assert server.exited_at is not None and server.exited_at - killed <= 15
         psutil.wait_procs(workers, timeout=10)
         assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
-        assert "tensor-parallel rank" in server.stdout.read()
+        assert "tensor-parallel rank" in server.text()
     finally:
-        if server.poll() is None:
-            server.kill()
+        server.kill()
 
 
 def test_a_sticky_fault_on_a_worker_is_recorded_and_the_restart_runs_without_that_kernel(tmp_path):
@@ -557,42 +503,37 @@ def test_a_sticky_fault_on_a_worker_is_recorded_and_the_restart_runs_without_tha
     from app.server import EXIT_KERNEL_FAULT
 
     armed, cache = tmp_path / "armed", tmp_path / "autotune"
-    env = os.environ | {TEST_WORKER_OPS_ENV: WORKER_FAULTS, FAULT_ENV: "sticky_when_armed", ARMED_ENV: str(armed)}
+    faults = {FAULT_ENV: "sticky_when_armed", ARMED_ENV: str(armed)}
     request = {"model": "clef-flash", "state": "disk full on db-1", "questions": {"q": {"type": "noul"}}}
-    port = free_port()
-    server = start_server(port, "--autotune-cache", str(cache), env=env)
+    server = start_server("--autotune-cache", str(cache), faults=faults)
     try:
-        wait_ready(port, server)
+        server.assert_ready(240)
         armed.touch()
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/systemone", json=request, timeout=60)
+        response = httpx.post(server.url + "/v1/systemone", json=request, timeout=60)
         assert response.status_code == 503 and "rms_norm_rope" in response.json()["detail"]["message"], response.text
-        assert server.wait(30) == EXIT_KERNEL_FAULT
+        assert server.process.wait(30) == EXIT_KERNEL_FAULT
     finally:
-        if server.poll() is None:
-            server.kill()
+        server.kill()
     (path,) = cache.glob("autotune-*.json")
     assert "rms_norm_rope:cpu" in json.loads(path.read_text())["report"]["failures"]
-    server = start_server(port, "--autotune-cache", str(cache), env=env)
+    server = start_server("--autotune-cache", str(cache), faults=faults)
     try:
-        wait_ready(port, server)
-        assert httpx.post(f"http://127.0.0.1:{port}/v1/systemone", json=request, timeout=60).status_code == 200
+        server.assert_ready(240)
+        assert httpx.post(server.url + "/v1/systemone", json=request, timeout=60).status_code == 200
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        server.stop(60)
 
 
 def test_sigterm_drains_and_stops_every_rank():
-    port = free_port()
-    server = start_server(port)
+    server = start_server()
     try:
-        wait_ready(port, server)
-        worker = worker_of(server)
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(60) == 0
+        server.assert_ready(240)
+        (worker,) = server.workers()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0
         worker.wait(30)  # the worker exited too (psutil raises TimeoutExpired if not)
     finally:
-        if server.poll() is None:
-            server.kill()
+        server.kill()
 
 
 def test_the_corpus_has_prefix_hits_for_the_parity_test():

@@ -1,7 +1,9 @@
 """Test-only faults of one tensor-parallel rank, so that what the group does about them is shown without a GPU.
-Loaded by path: by a worker through CLEF_TEST_TP_WORKER_OPS (worker_ops), by rank 0 from the tests (rank0_ops,
-faulty_clef_serve.py). CLEF_TEST_TP_FAULT picks the fault; the "_when_armed" ones fire while the file
-CLEF_TEST_TP_FAULT_ARMED exists, and "once" ones delete it as they fire (the next call is healthy):
+Run as a worker rank itself: a test points clef_cuda.serving.tensor_parallel.WORKER_COMMAND at WORKER_COMMAND (in
+its own process with monkeypatch, in a server through tests/faulty_clef_serve.py); this script puts worker_ops in
+the worker's place and runs the real worker_main(). Imported by rank 0's tests (rank0_ops, faulty_clef_serve.py).
+CLEF_TEST_TP_FAULT picks the fault (unset or any other name: none, the healthy worker); the "_when_armed" ones fire
+while the file CLEF_TEST_TP_FAULT_ARMED exists, and "once" ones delete it as they fire (the next call is healthy):
 
   oom_once_when_armed        the MLP's silu_mul raises an out-of-memory, part way through a step
   overflow_once_when_armed   the MLP's silu_mul returns infinities: every rank's hidden states overflow after the
@@ -30,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # loaded by path
 from faults import OpFault  # noqa: E402
 
 FAULT_ENV, ARMED_ENV = "CLEF_TEST_TP_FAULT", "CLEF_TEST_TP_FAULT_ARMED"
+WORKER_COMMAND = (sys.executable, os.path.abspath(__file__))
 
 
 def _armed(once: bool) -> bool:
@@ -88,7 +91,7 @@ def _raise_sticky():
 
 
 def worker_ops(rank: int, base):
-    """The op library a worker runs (clef_cuda.serving.tensor_parallel.TEST_WORKER_OPS_ENV); start faults fire here."""
+    """The op library a worker runs (in tensor_parallel._worker_ops' place); start faults fire here."""
     fault = os.environ.get(FAULT_ENV, "")
     if fault == "hang_at_start":
         time.sleep(3600)
@@ -112,3 +115,11 @@ def rank0_ops(fault: str, base=None):
     from clef_cuda import ops
 
     return faulty_ops(base or ops, fault)
+
+
+if __name__ == "__main__":
+    from clef_cuda import ops
+    from clef_cuda.serving import tensor_parallel
+
+    tensor_parallel._worker_ops = lambda rank: worker_ops(rank, ops)
+    sys.exit(tensor_parallel.worker_main(sys.argv[1:]))

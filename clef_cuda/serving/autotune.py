@@ -159,9 +159,6 @@ def no_trial(unit: str) -> Iterator[None]:
 
 # ---- candidates ---------------------------------------------------------------------------------
 AttentionImpl = Callable  # (query, key_cache, value_cache, batch: ChunkBatch) -> out
-# Test-only: a Python file whose attention_candidates(target) adds candidates (tests/trial_candidates.py: one
-# that kills the process it runs in), so the trial process's fail-safe is shown to work without a GPU.
-TEST_CANDIDATES_ENV = "CLEF_TEST_ATTENTION_CANDIDATES"
 
 
 def _ours(library, kernel: str) -> AttentionImpl:
@@ -213,14 +210,6 @@ def attention_candidates(target: TuneTarget | Trunk) -> dict[str, AttentionImpl]
     else:
         candidates["ours"] = _ours(library, "auto")
         candidates |= {name: _sdpa(name) for name in CPU_SDPA}
-    extra = os.environ.get(TEST_CANDIDATES_ENV)
-    if extra:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("clef_test_attention_candidates", extra)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        candidates |= module.attention_candidates(target)
     return candidates
 
 

@@ -81,9 +81,10 @@ RENDEZVOUS_TIMEOUT_S = 60.0  # every rank loaded and ready: joining the group ta
 NCCL_WATCHDOG_GRACE_S = 30.0  # the NCCL watchdog's timeout is ours plus this: our own deadline fires first
 EXIT_WORKER_FAILED = 3  # a worker that could not start (its report says why)
 EXIT_WORKER_FAULT = 4  # a worker whose CUDA context a kernel destroyed (it reported the kernel first)
-# Test-only: a Python file whose worker_ops(rank, base) returns the op library a worker's fast trunk runs on (a
-# fault on one rank alone), so that what rank 0's shadow run catches can be shown without a GPU.
-TEST_WORKER_OPS_ENV = "CLEF_TEST_TP_WORKER_OPS"
+# The command that starts a worker rank (its flags follow). Never read from the environment: only a test's own
+# launcher replaces it, with a script that installs a fault on that rank and then runs worker_main()
+# (tests/tp_worker_faults.py).
+WORKER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "clef_cuda.serving.tensor_parallel")
 
 
 class TensorParallelLost(ClefError):
@@ -281,7 +282,7 @@ class TensorParallel:
             for rank in range(1, self.size):
                 ours, theirs = socket.socketpair()
                 worker_device = f"cuda:{(device.index or 0) + rank}" if device.type == "cuda" else "cpu"
-                argv = [sys.executable, "-m", "clef_cuda.serving.tensor_parallel", "--rank", str(rank)]
+                argv = [*WORKER_COMMAND, "--rank", str(rank)]
                 argv += [
                     "--size",
                     str(self.size),
@@ -556,20 +557,11 @@ def _join(rank: int, size: int, store, device: torch.device, timeout: float):
 
 # ---- the worker process ----------------------------------------------------------------------------------
 def _worker_ops(rank: int):
-    """The op library a worker's fast trunk starts on: clef_cuda.ops guarded (a launch failure routed to the
-    reference and reported), or the test-only library TEST_WORKER_OPS_ENV names."""
+    """The op library a worker's fast trunk starts on (guarded by the caller: a launch failure routed to the
+    reference and reported); a test's worker script replaces it to break one rank alone."""
     from clef_cuda import ops
 
-    base = ops
-    extra = os.environ.get(TEST_WORKER_OPS_ENV)
-    if extra:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("clef_test_worker_ops", extra)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        base = module.worker_ops(rank, ops)
-    return base
+    return ops
 
 
 def worker_main(argv: list[str]) -> int:

@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
@@ -64,10 +63,9 @@ UNAVAILABLE_EXIT = 5  # the child's exit when it could not get going on the devi
 START_ATTEMPTS, START_RETRY_S = 3, 1.0  # a child that cannot start is tried this often (a transient out-of-memory)
 # The real-layer units, named as failures name them: a crash outside our kernels fails the self-check's check.
 LAYER_UNITS = {"selfcheck:delta_net": LINEAR_ATTENTION, "selfcheck:attention": FULL_ATTENTION}
-# Test-only faults of a trial process, so that what they lead to is shown without a GPU: "exit_at_start" (it dies
-# before it has a device), "busy_at_start" (the device is busy: an exclusive-process GPU), "crash_in:<unit>" (it
-# dies of SIGSEGV inside that unit, outside any of our kernels).
-TEST_FAULT_ENV = "CLEF_TEST_TRIAL_FAULT"
+# The command that starts a trial process (its spec comes on stdin). Never read from the environment: only a test's
+# own launcher replaces it, with a script that installs a fault and then runs main() (tests/trial_faults.py).
+CHILD_COMMAND: tuple[str, ...] = (sys.executable, "-m", "clef_cuda.serving.trial")
 
 
 # ---- the parent side ------------------------------------------------------------------------------------
@@ -175,7 +173,7 @@ def run_child(spec: dict) -> ChildOutcome:
     with tempfile.TemporaryFile(mode="w+") as stderr:
         child = Child(
             "the kernel trial process",
-            [sys.executable, "-m", "clef_cuda.serving.trial"],
+            list(CHILD_COMMAND),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -345,12 +343,7 @@ def layer_trunk(config: TrunkConfig, dtype: torch.dtype, device: torch.device, q
 
 
 def _start_on(device: torch.device) -> None:
-    """Get going on the device (its CUDA context); the test-only start faults (TEST_FAULT_ENV) fire here."""
-    fault = os.environ.get(TEST_FAULT_ENV)
-    if fault == "exit_at_start":
-        os._exit(1)
-    if fault == "busy_at_start":
-        raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")
+    """Get going on the device (its CUDA context)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.zeros(1, device=device).add_(1)
@@ -403,8 +396,6 @@ def main() -> int:
             if unit in spec["failed"] or (kind == FULL_ATTENTION and not config.attention_layers):
                 continue
             with contextlib.suppress(Exception), announce(unit):
-                if os.environ.get(TEST_FAULT_ENV) == f"crash_in:{unit}":
-                    os.kill(os.getpid(), signal.SIGSEGV)
                 layers = layers or layer_trunk(config, dtype, device, spec["quantized"], library)
                 index = 0 if kind == LINEAR_ATTENTION else 1
                 _SelfCheck.of(layers, spec["block_size"]).layer_check(unit, index)
