@@ -362,7 +362,12 @@ def test_int8_streams_in_and_never_holds_the_f16_model(memory_release):
     # One tensor: the largest as stored (the 8000 x 512 bf16 embedding, 8 MB), its quantizer's two fp32
     # blocks (4 MiB each), and 16 MiB of allocator slack; the bf16 model alone would be half the f32 one.
     one_tensor = 8000 * 512 * 2 + 2 * 4 * 2**20 + 16 * 2**20
-    assert int8["anon_peak"] - int8["anon_before"] < int8["weights"] + one_tensor < 0.5 * f32["weights"], (int8, f32)
+    # What any load holds beside its weights (the tokenizer, the modules it imports: 11.6 MB here), read from
+    # the f32 load, whose large buffers glibc maps and unmaps, so it is the same every run; int8's own
+    # remainder is not (freed quantizer blocks stay in glibc's heap: 8-17 MB a run), so it is not subtracted.
+    beside_weights = f32["anon_after"] - f32["anon_before"] - f32["weights"]
+    peak = int8["anon_peak"] - int8["anon_before"] - beside_weights
+    assert peak < int8["weights"] + one_tensor < 0.5 * f32["weights"], (int8, f32)
     assert f32["anon_peak"] - f32["anon_before"] > 0.9 * f32["weights"]  # the probe does see a full load
 
 
