@@ -199,7 +199,7 @@ def main() -> int:
     from clef_cuda import ops
 
     isa = ops.cpu_isa()
-    from clef_cuda.cpu_features import cpu_model
+    from clef_cuda.cpu_features import cpu_gemm_features, cpu_model
 
     cpu = cpu_model()
     rows = []
@@ -218,10 +218,14 @@ def main() -> int:
             truth = reference_logits(release, ids)
             engines: dict[str, object] = {}
             torch.set_num_threads(max(threads))
+            # int8 weights with this CPU's faster activations (--quantize int8 --dtype bf16 or f32): bf16 where
+            # the GEMMs have bf16 dot products, f32 where bf16 would be converted in software (AVX2 only)
+            int8_activations = torch.bfloat16 if cpu_gemm_features(isa).bf16 else torch.float32
+            int8_name = f"ours int8 ({'bf16' if int8_activations == torch.bfloat16 else 'f32'} activations)"
             for name, dtype, quantize in (
                 ("ours f32", torch.float32, "none"),
                 ("ours bf16", torch.bfloat16, "none"),
-                ("ours int8", torch.bfloat16, "int8"),
+                (int8_name, int8_activations, "int8"),
             ):
                 engines[name] = Ours(release, dtype, quantize, args.tokens, args.autotune)
             if not args.ours_only:
@@ -259,8 +263,6 @@ def main() -> int:
             gc.collect()
 
     header = ["shape", "threads", "engine", "s", "tokens/s", "vs llama.cpp's fastest", "max \\|logit - transformers\\|"]
-    from clef_cuda.cpu_features import cpu_gemm_features
-
     title = (
         f"{time.strftime('%Y-%m-%d')}, {cpu}, our CPU kernels {isa} (torch's GEMMs: "
         f"{cpu_gemm_features(isa).describe()}), {args.tokens}-token prefill"
