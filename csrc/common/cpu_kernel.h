@@ -92,6 +92,26 @@ inline bool has_512bit_registers(CpuIsa isa) { return isa == CpuIsa::Avx512; }
 CLEF_INLINE vf16 load_vf16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
 CLEF_INLINE void store_vf16(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }
 
+// 8 floats: one AVX2 register. Where a kernel's AVX2 variant holds its vectors in registers across a loop,
+// vf16 is the wrong unit there: GCC splits each 64-byte vector into halves it moves through the stack (and
+// general registers), measured 2026-12-06 in the delta rule's AVX2 sweep (4x-5x slower than the same sweep
+// in AVX-512 on a Zen 4 core, whose 512-bit FMAs run at the 256-bit rate); a vf8 is one register.
+typedef float vf8 __attribute__((vector_size(32), aligned(4)));
+template <typename V>
+constexpr int lanes_of = static_cast<int>(sizeof(V) / sizeof(float));
+// Unaligned loads and stores of any float vector type: memcpy, since a typedef's aligned(4) does not survive as a
+// template argument (GCC drops it: a plain dereference there assumes the vector's own alignment and faults).
+template <typename V>
+CLEF_INLINE V load_v(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <typename V>
+CLEF_INLINE void store_v(float* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(V));
+}
+
 // exp for the CPU hot loops: libm's expf does not vectorise without -ffast-math, this does.
 // Cephes' single-precision scheme (range reduction by ln2 split in two, degree-6 polynomial): ~1 ulp on
 // the clamped range, which covers every value the callers feed it (softmax args <= 0, SiLU args);
