@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // Hot CPU loops are compiled three times (AVX-512, AVX2+FMA, baseline x86-64) and cpu_isa() picks which
 // one runs: the best the machine has, or the one CLEF_CPU_ISA / clef_cuda.ops.set_cpu_isa asks for, so
@@ -79,7 +80,8 @@ inline void count_cpu_isa_call(CpuIsa isa) {
 }
 
 // 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones. aligned(4) lets it load from any float
-// address. Used where the compiler's auto-vectoriser would not keep accumulators in registers.
+// address (load_v / store_v below). Used where the compiler's auto-vectoriser would not keep accumulators in
+// registers.
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 constexpr int kLanes = 16;
 
@@ -88,9 +90,6 @@ constexpr int kLanes = 16;
 // every step: callers with large register blocks pick a smaller one without it (measured 2026-12-01 on an
 // AVX2 EPYC: attention prefill 11x slower than eager torch with the AVX-512 block).
 inline bool has_512bit_registers(CpuIsa isa) { return isa == CpuIsa::Avx512; }
-
-CLEF_INLINE vf16 load_vf16(const float* p) { return *reinterpret_cast<const vf16*>(p); }
-CLEF_INLINE void store_vf16(float* p, vf16 v) { *reinterpret_cast<vf16*>(p) = v; }
 
 // 8 floats: one AVX2 register. Where a kernel's AVX2 variant holds its vectors in registers across a loop,
 // vf16 is the wrong unit there: GCC splits each 64-byte vector into halves it moves through the stack (and
@@ -143,10 +142,6 @@ CLEF_INLINE float silu_vec(float x) { return x / (1.0f + exp_vec(-x)); }
 // gives n = -127, an all-zero scale, so the result is exactly 0 without a compare-and-select (the select
 // version compiled to per-lane scalar compares inside the cloned kernels). V: a float vector, VI: the
 // int32 vector of the same lanes.
-typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
-CLEF_INLINE vf16 broadcast(float x) { return vf16{} + x; }
-CLEF_INLINE vf16 vmax(vf16 a, vf16 b) { return a > b ? a : b; }
-CLEF_INLINE vf16 vmin(vf16 a, vf16 b) { return a < b ? a : b; }
 template <typename V, typename VI>
 CLEF_INLINE V exp_v(V x) {
   const V magic = V{} + 12582912.0f;
@@ -165,27 +160,34 @@ CLEF_INLINE V exp_v(V x) {
   const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;  // n = -127: 0.0f
   return y * reinterpret_cast<const V&>(bits);
 }
-CLEF_INLINE vf16 exp_vf16(vf16 x) { return exp_v<vf16, vi16>(x); }
-CLEF_INLINE vf16 silu_vf16(vf16 x) { return x / (1.0f + exp_vf16(-x)); }
-
-// 16 values of any storage type to/from fp32 lanes (the conversion loops vectorise: F16C, shifts).
-template <typename T>
-CLEF_INLINE vf16 load_as_vf16(const T* p) {
-  vf16 v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
+// For any float vector V (vf16, vf8; a kernel's AVX2 variant instantiates them with vf8): exp, SiLU, and
+// lanes_of<V> values of any storage type to/from fp32 lanes (the conversion loops vectorise: F16C, shifts).
+template <typename V>
+CLEF_INLINE V exp_any(V x) {
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  return exp_v<V, VI>(x);
 }
-template <>
-CLEF_INLINE vf16 load_as_vf16<float>(const float* p) {
-  return load_vf16(p);
+template <typename V>
+CLEF_INLINE V silu_any(V x) {
+  return x / (1.0f + exp_any(-x));
 }
-template <typename T>
-CLEF_INLINE void store_from_vf16(T* p, vf16 v) {
-  for (int i = 0; i < kLanes; ++i) p[i] = T(v[i]);
+template <typename V, typename T>
+CLEF_INLINE V load_as(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return load_v<V>(p);
+  } else {
+    V v;
+    for (int i = 0; i < lanes_of<V>; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
+  }
 }
-template <>
-CLEF_INLINE void store_from_vf16<float>(float* p, vf16 v) {
-  store_vf16(p, v);
+template <typename V, typename T>
+CLEF_INLINE void store_from(T* p, V v) {
+  if constexpr (std::is_same_v<T, float>) {
+    store_v<V>(p, v);
+  } else {
+    for (int i = 0; i < lanes_of<V>; ++i) p[i] = T(v[i]);
+  }
 }
 
 }  // namespace clef

@@ -15,7 +15,7 @@ namespace {
 
 constexpr int kChannelBlock = 256;
 
-template <typename T, int W>
+template <typename T, int W, typename V>
 CLEF_INLINE void conv1d_block(const Conv1dParams& p, int b, int c0, int c1) {
   const PackedSeq s = conv_sequence(p, b);
   const int n = c1 - c0;
@@ -51,10 +51,10 @@ CLEF_INLINE void conv1d_block(const Conv1dParams& p, int b, int c0, int c1) {
     for (int j = 0; j < W; ++j) rows[j] = x + conv_x_offset(s.start + t - (W - 1) + j, c0, p.x_token_stride);
     T* o = out + conv_out_offset(s.start + t, c0, p.channels);
     int c = 0;
-    for (; c + kLanes <= n; c += kLanes) {
-      vf16 acc = load_vf16(bias + c);
-      for (int j = 0; j < W; ++j) acc += load_vf16(&wt[j][c]) * load_as_vf16(rows[j] + c);
-      store_from_vf16(o + c, p.silu ? silu_vf16(acc) : acc);
+    for (; c + lanes_of<V> <= n; c += lanes_of<V>) {
+      V acc = load_v<V>(bias + c);
+      for (int j = 0; j < W; ++j) acc += load_v<V>(&wt[j][c]) * load_as<V>(rows[j] + c);
+      store_from<V>(o + c, p.silu ? silu_any(acc) : acc);
     }
     for (; c < n; ++c) {
       float acc = bias[c];
@@ -73,24 +73,27 @@ CLEF_INLINE void conv1d_block(const Conv1dParams& p, int b, int c0, int c1) {
   }
 }
 
-template <typename T>
+template <typename T, typename V>
 CLEF_INLINE void conv1d_block_any_width(const Conv1dParams& p, int b, int c0, int c1) {
   switch (p.width) {
-    case 2: return conv1d_block<T, 2>(p, b, c0, c1);
-    case 3: return conv1d_block<T, 3>(p, b, c0, c1);
-    case 4: return conv1d_block<T, 4>(p, b, c0, c1);
-    case 5: return conv1d_block<T, 5>(p, b, c0, c1);
-    case 6: return conv1d_block<T, 6>(p, b, c0, c1);
-    case 7: return conv1d_block<T, 7>(p, b, c0, c1);
-    case 8: return conv1d_block<T, 8>(p, b, c0, c1);
+    case 2: return conv1d_block<T, 2, V>(p, b, c0, c1);
+    case 3: return conv1d_block<T, 3, V>(p, b, c0, c1);
+    case 4: return conv1d_block<T, 4, V>(p, b, c0, c1);
+    case 5: return conv1d_block<T, 5, V>(p, b, c0, c1);
+    case 6: return conv1d_block<T, 6, V>(p, b, c0, c1);
+    case 7: return conv1d_block<T, 7, V>(p, b, c0, c1);
+    case 8: return conv1d_block<T, 8, V>(p, b, c0, c1);
   }
 }
 
 }  // namespace
 
-// One entry per dtype and instruction set (the variants cannot be put on the templates above).
-#define CLEF_CONV1D_CPU_ENTRY(name, T) \
-  CLEF_CPU_VARIANTS(name, (const Conv1dParams& p, int b, int c0, int c1), (p, b, c0, c1), conv1d_block_any_width<T>)
+// One entry per dtype and instruction set (the variants cannot be put on the templates above); the steady-state
+// loop runs vf16s on AVX-512 and baseline, vf8s on AVX2 (one register: see vf8 in common/cpu_kernel.h).
+#define CLEF_CONV1D_CPU_ENTRY(name, T)                                                                        \
+  CLEF_CPU_VARIANTS_EACH(name, (const Conv1dParams& p, int b, int c0, int c1), (p, b, c0, c1),                 \
+                         (conv1d_block_any_width<T, vf16>), (conv1d_block_any_width<T, vf8>),                  \
+                         (conv1d_block_any_width<T, vf16>))
 CLEF_CONV1D_CPU_ENTRY(conv1d_block_f32, float)
 CLEF_CONV1D_CPU_ENTRY(conv1d_block_f16, c10::Half)
 CLEF_CONV1D_CPU_ENTRY(conv1d_block_bf16, c10::BFloat16)

@@ -27,23 +27,23 @@ CLEF_INLINE void add_rms_norm_rows(const AddRmsNormParams& p, int64_t r0, int64_
   }
 }
 
-// The SiLU and sigmoid loops run kLanes values at a time through exp_vf16: the scalar exp_vec's underflow branch
+// The SiLU and sigmoid loops run a vector at a time through exp_any: the scalar exp_vec's underflow branch
 // kept the compiler from vectorising them (silu_mul took 2.8x eager torch's time at 2,048 x 128 in fp32, 5x in
 // bf16). The tail runs the scalar function: the same polynomial.
-template <typename T>
+template <typename T, typename V>
 CLEF_INLINE void silu_mul_rows(const SiluMulParams& p, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const T* gate = static_cast<const T*>(p.gate_up) + r * 2 * p.cols;
     const T* up = gate + p.cols;
     T* out = static_cast<T*>(p.out) + r * p.cols;
     int c = 0;
-    for (; c + kLanes <= p.cols; c += kLanes)
-      store_from_vf16(out + c, silu_vf16(load_as_vf16(gate + c)) * load_as_vf16(up + c));
+    for (; c + lanes_of<V> <= p.cols; c += lanes_of<V>)
+      store_from<V>(out + c, silu_any(load_as<V>(gate + c)) * load_as<V>(up + c));
     for (; c < p.cols; ++c) out[c] = from_f32<T>(silu_vec(to_f32(gate[c])) * to_f32(up[c]));
   }
 }
 
-template <typename T>
+template <typename T, typename V>
 CLEF_INLINE void gated_rms_norm_rows(const GatedRmsNormParams& p, int64_t r0, int64_t r1) {
   for (int64_t row = r0; row < r1; ++row) {
     const int64_t token = row / p.heads;
@@ -55,9 +55,8 @@ CLEF_INLINE void gated_rms_norm_rows(const GatedRmsNormParams& p, int64_t r0, in
     for (int d = 0; d < p.dim; ++d) ss += to_f32(core[d]) * to_f32(core[d]);
     const float factor = rms_factor(ss, p.dim, p.eps);
     int d = 0;
-    for (; d + kLanes <= p.dim; d += kLanes)
-      store_from_vf16(out + d,
-                      load_as_vf16(core + d) * factor * load_vf16(p.weight + d) * silu_vf16(load_as_vf16(z + d)));
+    for (; d + lanes_of<V> <= p.dim; d += lanes_of<V>)
+      store_from<V>(out + d, load_as<V>(core + d) * factor * load_v<V>(p.weight + d) * silu_any(load_as<V>(z + d)));
     for (; d < p.dim; ++d) out[d] = from_f32<T>(to_f32(core[d]) * factor * p.weight[d] * silu_vec(to_f32(z[d])));
   }
 }
@@ -85,7 +84,7 @@ CLEF_INLINE void rms_norm_rope_rows(const RmsNormRopeParams& p, int64_t r0, int6
   }
 }
 
-template <typename T>
+template <typename T, typename V>
 CLEF_INLINE void sigmoid_gate_rows(const SigmoidGateParams& p, int64_t t0, int64_t t1) {
   for (int64_t token = t0; token < t1; ++token)
     for (int head = 0; head < p.heads; ++head) {
@@ -94,24 +93,27 @@ CLEF_INLINE void sigmoid_gate_rows(const SigmoidGateParams& p, int64_t t0, int64
       const T* gate = static_cast<const T*>(p.gate) + token * p.gate_token_stride + head * p.gate_head_stride;
       T* out = static_cast<T*>(p.out) + at;
       int d = 0;
-      for (; d + kLanes <= p.dim; d += kLanes)
-        store_from_vf16(out + d, load_as_vf16(attn + d) / (1.0f + exp_vf16(-load_as_vf16(gate + d))));
+      for (; d + lanes_of<V> <= p.dim; d += lanes_of<V>)
+        store_from<V>(out + d, load_as<V>(attn + d) / (1.0f + exp_any(-load_as<V>(gate + d))));
       for (; d < p.dim; ++d) out[d] = from_f32<T>(to_f32(attn[d]) / (1.0f + exp_vec(-to_f32(gate[d]))));
     }
 }
 
 }  // namespace
 
+// The vectorised loops run vf16s on AVX-512 and baseline, vf8s on AVX2 (one register: see vf8 in
+// common/cpu_kernel.h).
+#define CLEF_GLUE_CPU_VECTOR_ENTRY(name, Params, rows, T)                                                       \
+  CLEF_CPU_VARIANTS_EACH(name, (const Params& p, int64_t a, int64_t b), (p, a, b), (rows<T, vf16>), (rows<T, vf8>), \
+                         (rows<T, vf16>))
 #define CLEF_GLUE_CPU_ENTRIES(suffix, T)                                                                          \
   CLEF_CPU_VARIANTS(add_rms_norm_##suffix, (const AddRmsNormParams& p, int64_t a, int64_t b), (p, a, b),           \
                     add_rms_norm_rows<T>)                                                                         \
-  CLEF_CPU_VARIANTS(silu_mul_##suffix, (const SiluMulParams& p, int64_t a, int64_t b), (p, a, b), silu_mul_rows<T>) \
-  CLEF_CPU_VARIANTS(gated_rms_norm_##suffix, (const GatedRmsNormParams& p, int64_t a, int64_t b), (p, a, b),       \
-                    gated_rms_norm_rows<T>)                                                                       \
+  CLEF_GLUE_CPU_VECTOR_ENTRY(silu_mul_##suffix, SiluMulParams, silu_mul_rows, T)                                  \
+  CLEF_GLUE_CPU_VECTOR_ENTRY(gated_rms_norm_##suffix, GatedRmsNormParams, gated_rms_norm_rows, T)                 \
   CLEF_CPU_VARIANTS(rms_norm_rope_##suffix, (const RmsNormRopeParams& p, int64_t a, int64_t b), (p, a, b),         \
                     rms_norm_rope_rows<T>)                                                                        \
-  CLEF_CPU_VARIANTS(sigmoid_gate_##suffix, (const SigmoidGateParams& p, int64_t a, int64_t b), (p, a, b),          \
-                    sigmoid_gate_rows<T>)
+  CLEF_GLUE_CPU_VECTOR_ENTRY(sigmoid_gate_##suffix, SigmoidGateParams, sigmoid_gate_rows, T)
 CLEF_GLUE_CPU_ENTRIES(f32, float)
 CLEF_GLUE_CPU_ENTRIES(f16, c10::Half)
 CLEF_GLUE_CPU_ENTRIES(bf16, c10::BFloat16)
