@@ -92,22 +92,46 @@ def sim_ops():
 
 
 @contextlib.contextmanager
-def simulated(compute_capability: int | None = None, fault: str | None = None, block_order: str | None = None):
-    """The simulator's device set to a compute capability, with a test-only fault on, and/or running a grid's
-    blocks in another order ("first-last"; the default "last-first"), then restored."""
+def simulated(
+    compute_capability: int | None = None,
+    fault: str | None = None,
+    block_order: str | None = None,
+    multiprocessors: int | None = None,
+    fault_band: tuple[int, int] | None = None,
+):
+    """The simulator's device set to a compute capability (and SM count), with a test-only fault on (a band fault:
+    over channels fault_band = [lo, hi)), and/or running a grid's blocks in another order ("first-last"; the
+    default "last-first"), then restored."""
     sim = torch.ops.clef_sim
     saved_cc = sim.set_compute_capability(compute_capability) if compute_capability else None
+    saved_sms = sim.set_multiprocessor_count(multiprocessors) if multiprocessors else None
     saved_fault = sim.set_fault(fault) if fault else None
     saved_order = sim.set_block_order(block_order) if block_order else None
+    saved_band = sim.set_fault_band(*fault_band) if fault_band else None
     try:
         yield
     finally:
+        if saved_band is not None:
+            sim.set_fault_band(*saved_band)
         if saved_cc is not None:
             sim.set_compute_capability(saved_cc)
+        if saved_sms is not None:
+            sim.set_multiprocessor_count(saved_sms)
         if saved_fault is not None:
             sim.set_fault(saved_fault)
         if saved_order is not None:
             sim.set_block_order(saved_order)
+
+
+def simulated_cards() -> dict[int, tuple[str, int]]:
+    """Compute capability -> (a card of that arch, its SMs): csrc/common/arch_limits.h's table, through the
+    simulator (call after sim_ops has loaded it)."""
+    cards = {}
+    for line in torch.ops.clef_sim.checked_archs():
+        cc, card_sms = line.split(" ", 1)
+        card, sms = card_sms.rsplit(" ", 1)
+        cards[int(cc)] = (card, int(sms))
+    return cards
 
 
 def cpu_isas() -> list[str]:

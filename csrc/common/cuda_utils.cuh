@@ -21,9 +21,33 @@
 #ifndef CLEF_FAULT
 #define CLEF_FAULT(name, good, faulty) (good)
 #endif
+// A fault confined to a band of channels reads the band the test named with CLEF_FAULT_BAND_CONTAINS(c) in its
+// `faulty` expression: the simulator's (tests/cuda_sim); real builds drop the expression unexpanded.
 // The simulator checks the alignment a GPU would fault on; nothing to do on a GPU.
 #ifndef CLEF_CHECK_ALIGNED
 #define CLEF_CHECK_ALIGNED(ptr, bytes, what)
+#endif
+// A value every thread computes must be finite (padding rows included): the simulator checks it and throws
+// naming `what`; nothing on a GPU.
+#ifndef CLEF_CHECK_FINITE
+#define CLEF_CHECK_FINITE(value, what)
+#endif
+// cp.async (sm_80 on): 16 bytes from global to shared memory without a register, landing once the thread has
+// waited for its group. The simulator (tests/cuda_sim) defers each copy to that wait, so a read that comes
+// before it sees the old bytes, as on a GPU.
+#ifndef CLEF_CP_ASYNC16
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define CLEF_CP_ASYNC16(dst, src)                                                                              \
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))), \
+               "l"(src)                                                                                        \
+               : "memory")
+#define CLEF_CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+#define CLEF_CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
+#else  // the kernels that use it are launched from sm_80 only
+#define CLEF_CP_ASYNC16(dst, src) __trap()
+#define CLEF_CP_ASYNC_COMMIT() __trap()
+#define CLEF_CP_ASYNC_WAIT(n) __trap()
+#endif
 #endif
 // Named barrier: the simulator models it as a barrier of its own per (block, id). The id is an immediate
 // ("n"): with an id from a register ptxas cannot tell which barriers a kernel uses and reserves all 16.
@@ -70,6 +94,20 @@ __device__ __forceinline__ uint4 load16(const void* src) {
 __device__ __forceinline__ void store16(void* dst, uint4 value) {
   CLEF_CHECK_ALIGNED(dst, 16, "16-byte store");
   *static_cast<uint4*>(dst) = value;
+}
+
+// cp.async: a 16-byte copy from global to shared memory (both 16-byte aligned) in flight, a group of them
+// closed, and a wait until at most N groups remain in flight (the copies of the others have landed, for this
+// thread: a barrier makes them the CTA's).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  CLEF_CHECK_ALIGNED(dst, 16, "cp.async store");
+  CLEF_CHECK_ALIGNED(src, 16, "cp.async load");
+  CLEF_CP_ASYNC16(dst, src);
+}
+__device__ __forceinline__ void cp_async_commit() { CLEF_CP_ASYNC_COMMIT(); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  CLEF_CP_ASYNC_WAIT(N);
 }
 
 // Barrier ID (1..15: 0 is __syncthreads') over `threads` threads, a multiple of 32: warps that share

@@ -65,8 +65,10 @@ inline int smem_limit_cap() {
   return end != nullptr && *end == 0 && value > 0 && value < (1L << 30) ? static_cast<int>(value) : 0;
 }
 
-// The device's compute capability, per-block shared memory and SM count (four attribute queries; zeros,
-// i.e. the kernels every device runs, the 48 KB default and no split, when they cannot be read).
+// The device's compute capability, shared memory per block, SM count and per-SM limits (what decides how many
+// blocks are resident at once: blocks_per_sm). Zeros, i.e. the kernels every device runs, the 48 KB default, no
+// split and one block an SM, when the first four cannot be read; a per-SM limit that cannot be read is zero
+// (an older driver may lack one), which the residency rules read as "one block an SM".
 inline CudaDevice query_device(int device) {
   int major = 0, minor = 0, optin = 0, sms = 0;
   if (device < 0 || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -76,7 +78,21 @@ inline CudaDevice query_device(int device) {
     cudaGetLastError();  // clear it: the kernels every device runs are the safe answer
     return CudaDevice{0, kDefaultSmemPerBlock, 0};
   }
-  return CudaDevice{10 * major + minor, optin > kDefaultSmemPerBlock ? optin : kDefaultSmemPerBlock, sms};
+  CudaDevice d{10 * major + minor, optin > kDefaultSmemPerBlock ? optin : kDefaultSmemPerBlock, sms};
+  const std::pair<cudaDeviceAttr, int*> per_sm[] = {
+      {cudaDevAttrMaxSharedMemoryPerMultiprocessor, &d.smem_per_sm},
+      {cudaDevAttrReservedSharedMemoryPerBlock, &d.smem_reserved_per_block},
+      {cudaDevAttrMaxThreadsPerMultiProcessor, &d.max_threads_per_sm},
+      {cudaDevAttrMaxBlocksPerMultiprocessor, &d.max_blocks_per_sm},
+      {cudaDevAttrMaxRegistersPerMultiprocessor, &d.registers_per_sm},
+  };
+  for (const auto& [attribute, value] : per_sm) {
+    if (cudaDeviceGetAttribute(value, attribute, device) != cudaSuccess) {
+      cudaGetLastError();
+      *value = 0;
+    }
+  }
+  return d;
 }
 
 // The current device's attributes, read once per device (and simulated device generation), then capped by

@@ -1,8 +1,9 @@
 // Test-only CUDA simulator: runs the project's CUDA kernels and launchers, unmodified, on the CPU.
 //
-// Each CUDA thread of a block is a real std::thread; blocks run one after another. __syncthreads,
-// __syncwarp, named barriers (bar.sync id, count: one barrier per block and id over exactly that count),
-// the warp shuffles and votes and the warp-wide WMMA operations (wmma_sim.h) are real barriers, so the
+// Each CUDA thread of a block is a fiber of its own (a stack, switched cooperatively: below); blocks run one
+// after another. __syncthreads, __syncwarp, named barriers (bar.sync id, count: one barrier per block and id
+// over exactly that count), the warp shuffles and votes and the warp-wide WMMA operations (wmma_sim.h) are
+// real barriers, so the
 // kernels' thread mapping, shared-memory tiling and synchronisation are what the tests exercise; a barrier
 // that not every thread reaches is reported as a deadlock instead of hanging (as soon as every thread
 // still running waits at a barrier). Dynamic shared memory is
@@ -20,10 +21,10 @@
 #include <c10/util/Half.h>
 
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <sys/mman.h>
 #include <exception>
 #include <limits>
 #include <map>
@@ -31,7 +32,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
+#include <deque>
 #include <vector>
 
 #include "common/arch_limits.h"
@@ -67,6 +68,11 @@ enum cudaDeviceAttr {
   cudaDevAttrComputeCapabilityMinor = 76,
   cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
   cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81,
+  cudaDevAttrReservedSharedMemoryPerBlock = 111,
+  cudaDevAttrMaxThreadsPerMultiProcessor = 39,
+  cudaDevAttrMaxBlocksPerMultiprocessor = 106,
+  cudaDevAttrMaxRegistersPerMultiprocessor = 82,
 };
 inline const char* cudaGetErrorString(cudaError_t) { return "no error"; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
@@ -81,6 +87,8 @@ constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
 // set between launches only.
 inline int compute_capability = 80;
 inline std::string active_fault;
+// The channels a band fault zeroes (CLEF_FAULT_BAND_CONTAINS; torch.ops.clef_sim.set_fault_band): [lo, hi).
+inline int64_t fault_band_lo = 0, fault_band_hi = 0;
 // SMs of the simulated device (torch.ops.clef_sim.set_multiprocessor_count): a V100's 80, so that the
 // small grids tests can afford in the simulator are the ones a launcher sizes its work up for.
 inline int multiprocessor_count = 80;
@@ -111,6 +119,19 @@ inline void check_aligned(const void* ptr, size_t bytes, const char* what) {
                              std::to_string(bytes) + "-byte alignment)");
 }
 
+// ---- the threads of a block: fibers ---------------------------------------------------------------
+// Each CUDA thread of a block is a fiber (its own stack, switched cooperatively on one OS thread): a thread
+// runs until it waits at a barrier or exits, then the ready thread of the lowest index runs (the highest, after
+// an odd number of __syncthreads): so between two block-wide barriers the first warp runs as far as it can
+// before the last one starts (then the other way round), and a warp that writes shared memory another warp
+// still reads, or reads what another has not written yet, without a barrier between them, meets it in one
+// of the two orders, every run alike. A barrier's last arrival releases the others and runs on. A barrier no
+// thread can complete (every thread still running waits at one) is reported at once as a deadlock. OS
+// threads, one per CUDA thread, made every barrier a round of futex waits and wakes and the interleaving
+// chance: fibers switch ~100x faster and schedule the same way every run.
+extern "C" void clef_sim_switch_context(void** save_sp, void* load_sp);  // sim_controls.cpp
+extern "C" void clef_sim_fiber_start();                                   // sim_controls.cpp
+
 inline thread_local int current_thread = 0;
 
 // What the other threads of a block see once one has failed: the launch reports that thread's error.
@@ -118,112 +139,216 @@ struct BlockAborted : std::runtime_error {
   BlockAborted() : std::runtime_error("simulated CUDA: block aborted") {}
 };
 
-// Where each thread of a block waits, so that a barrier no thread can complete is reported as soon as
-// every thread still running waits at one (a named barrier with a count its participants never reach, a
-// __syncthreads some threads skip) instead of after the 30-second timeout. A thread is stuck while the
-// barrier it waits at has not moved past the generation it arrived in; the block is deadlocked when
-// every thread is stuck or exited in two checks a wait slice apart with nothing changed between them
-// (one check could read a thread as stuck just before another releases it).
-class DeadlockWatch {
+// Stacks for fibers, mapped once and reused by every block this OS thread runs (lazily committed: a fiber
+// touches a few pages). The page below each stack is a guard: an overflow faults instead of corrupting.
+class FiberStacks {
  public:
-  explicit DeadlockWatch(int threads) : waits_(new Wait[threads]), threads_(threads) {}
-  void waiting(const std::atomic<uint64_t>* barrier_generation, uint64_t arrived_in) {
-    Wait& w = waits_[current_thread];
-    w.arrived_in.store(arrived_in);
-    w.barrier_generation.store(barrier_generation);
-  }
-  void running() { waits_[current_thread].barrier_generation.store(nullptr); }
-  void exited(int thread) { waits_[thread].exited.store(true); }
-  // (barrier, generation) per thread when every thread is stuck or exited; empty when one can still run.
-  std::vector<std::pair<const void*, uint64_t>> stuck() const {
-    std::vector<std::pair<const void*, uint64_t>> where(threads_);
-    for (int t = 0; t < threads_; ++t) {
-      if (waits_[t].exited.load()) continue;
-      const std::atomic<uint64_t>* barrier = waits_[t].barrier_generation.load();
-      const uint64_t arrived_in = waits_[t].arrived_in.load();
-      if (barrier == nullptr || barrier->load() != arrived_in) return {};
-      where[t] = {barrier, arrived_in};
+  static constexpr size_t kBytes = 512 * 1024;
+  void* top(int index) {
+    while (static_cast<int>(stacks_.size()) <= index) {
+      const size_t page = 4096;
+      void* base = mmap(nullptr, kBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                        -1, 0);
+      if (base == MAP_FAILED) throw std::runtime_error("simulated CUDA: cannot map a fiber stack");
+      mprotect(base, page, PROT_NONE);
+      stacks_.push_back(static_cast<unsigned char*>(base) + page + kBytes);
     }
-    return where;
+    return stacks_[index];
+  }
+  ~FiberStacks() {
+    for (void* top : stacks_) munmap(static_cast<unsigned char*>(top) - kBytes - 4096, kBytes + 4096);
   }
 
  private:
-  struct Wait {
-    std::atomic<const std::atomic<uint64_t>*> barrier_generation{nullptr};
-    std::atomic<uint64_t> arrived_in{0};
-    std::atomic<bool> exited{false};
+  std::vector<void*> stacks_;
+};
+inline thread_local FiberStacks fiber_stacks;
+
+class Block;
+inline thread_local Block* current_block = nullptr;
+
+// The fibers of one block and the loop that runs them (on the launching OS thread's own stack).
+class Scheduler {
+ public:
+  enum class State { Ready, Running, Waiting, Done };
+  struct Fiber {
+    void* sp = nullptr;
+    State state = State::Ready;
+    uint3 thread_index{0, 0, 0};
+    const char* deadlocked_at = nullptr;  // set when the block deadlocked: this fiber throws on waking
   };
-  std::unique_ptr<Wait[]> waits_;
-  int threads_;
+
+  Scheduler(int threads, dim3 block_dim) : fibers_(threads), waiting_at_(threads, nullptr), ready_(threads, 0) {
+    for (int t = 0; t < threads; ++t)
+      fibers_[t].thread_index = uint3{t % block_dim.x, (t / block_dim.x) % block_dim.y, t / (block_dim.x * block_dim.y)};
+  }
+
+  // Runs body(t) for every thread t as a fiber until all have returned. body must not throw.
+  template <typename Body>
+  void run(Body& body) {
+    struct Start {
+      Scheduler* scheduler;
+      Body* body;
+    } start{this, &body};
+    for (int t = 0; t < static_cast<int>(fibers_.size()); ++t) {
+      // The first switch into a fiber "returns" into clef_sim_fiber_start, which calls entry(start).
+      void** sp = static_cast<void**>(fiber_stacks.top(t)) - 11;
+      uint32_t control[2];
+      asm volatile("stmxcsr %0" : "=m"(control[0]));
+      asm volatile("fnstcw %0" : "=m"(control[1]));
+      sp[0] = nullptr;
+      std::memcpy(&sp[1], control, sizeof(control));
+      sp[2] = nullptr;                                          // r15
+      sp[3] = nullptr;                                          // r14
+      sp[4] = reinterpret_cast<void*>(&entry<Start>);           // r13: the function
+      sp[5] = &start;                                           // r12: its argument
+      sp[6] = nullptr;                                          // rbx
+      sp[7] = nullptr;                                          // rbp
+      sp[8] = reinterpret_cast<void*>(&clef_sim_fiber_start);   // the return address
+      fibers_[t].sp = sp;
+      fibers_[t].state = State::Ready;
+      ready_[t] = 1;
+      ++ready_count_;
+    }
+    for (;;) {
+      if (ready_count_ == 0) {
+        int stuck = -1;  // the first thread still waiting, if any: every one left is stuck
+        for (int t = 0; t < static_cast<int>(fibers_.size()) && stuck < 0; ++t)
+          if (fibers_[t].state == State::Waiting) stuck = t;
+        if (stuck < 0) break;  // all done
+        fibers_[stuck].deadlocked_at = waiting_at_[stuck];
+        make_ready(stuck);
+      }
+      const int n = static_cast<int>(fibers_.size());
+      int t = 0;
+      if (last_first_) {
+        t = n - 1;
+        while (!ready_[t]) --t;
+      } else {
+        while (!ready_[t]) ++t;
+      }
+      ready_[t] = 0;
+      --ready_count_;
+      resume(t);
+    }
+  }
+
+  // The running fiber waits (at `what`) until make_ready; then it runs on. Throws if the block deadlocked.
+  void wait(const char* what) {
+    const int t = current_thread;
+    fibers_[t].state = State::Waiting;
+    waiting_at_[t] = what;
+    clef_sim_switch_context(&fibers_[t].sp, main_sp_);
+    if (fibers_[t].deadlocked_at != nullptr)
+      throw std::runtime_error(std::string("simulated CUDA deadlock: not every thread reached ") +
+                               fibers_[t].deadlocked_at + " (every thread still running waits at a barrier)");
+  }
+
+  void make_ready(int t) {
+    if (fibers_[t].state != State::Waiting) return;
+    fibers_[t].state = State::Ready;
+    ready_[t] = 1;
+    ++ready_count_;
+  }
+
+  // A block-wide barrier completed: the other end of the block runs first until the next.
+  void turn_around() { last_first_ = !last_first_; }
+
+ private:
+  template <typename Start>
+  static void entry(void* arg) {
+    Start& start = *static_cast<Start*>(arg);
+    (*start.body)(current_thread);
+    Scheduler& self = *start.scheduler;
+    self.fibers_[current_thread].state = State::Done;
+    clef_sim_switch_context(&self.fibers_[current_thread].sp, self.main_sp_);
+    std::abort();  // a finished fiber is never resumed
+  }
+
+  void resume(int t) {
+    fibers_[t].state = State::Running;
+    current_thread = t;
+    threadIdx_of_fiber(fibers_[t].thread_index);
+    clef_sim_switch_context(&main_sp_, fibers_[t].sp);
+  }
+  static void threadIdx_of_fiber(uint3 index);  // defined once threadIdx is
+
+  std::vector<Fiber> fibers_;
+  std::vector<const char*> waiting_at_;
+  std::vector<char> ready_;  // per thread: ready to run
+  int ready_count_ = 0;
+  bool last_first_ = false;
+  void* main_sp_ = nullptr;
 };
 
 class Barrier {
  public:
-  Barrier(int participants, DeadlockWatch* watch) : participants_(participants), watch_(watch) {}
+  // block_wide: __syncthreads', whose every completion turns the scheduler around (Scheduler::turn_around).
+  Barrier(int participants, Scheduler* scheduler, bool block_wide = false)
+      : participants_(participants), scheduler_(scheduler), block_wide_(block_wide) {}
   void arrive_and_wait(const char* what) { arrive(what, participants_); }
   // A barrier whose participant count comes with each arrival (bar.sync id, count): the first arrival of
   // a generation sets it, and every later one must pass the same.
   void arrive_counted(const char* what, int count) { arrive(what, count, true); }
   void abort() {
-    std::lock_guard<std::mutex> lock(mutex_);
     broken_ = true;
-    cv_.notify_all();
+    for (int t : waiting_) scheduler_->make_ready(t);
+    waiting_.clear();
   }
 
  private:
   void arrive(const char* what, int count, bool counted = false) {
-    std::unique_lock<std::mutex> lock(mutex_);
     if (broken_) throw BlockAborted();
     if (counted && arrived_ == 0) participants_ = count;
     if (counted && count != participants_)
       throw std::runtime_error(std::string("simulated CUDA: ") + what + " with " + std::to_string(count) +
                                " threads, while others wait at it for " + std::to_string(participants_));
-    const uint64_t generation = generation_.load();
     if (++arrived_ == participants_) {
       arrived_ = 0;
-      generation_.store(generation + 1);
-      cv_.notify_all();
+      for (int t : waiting_) scheduler_->make_ready(t);
+      waiting_.clear();
+      if (block_wide_) scheduler_->turn_around();
       return;
     }
-    watch_->waiting(&generation_, generation);
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    std::vector<std::pair<const void*, uint64_t>> stuck_before;
-    auto released = [&] { return generation_.load() != generation || broken_; };
-    while (!cv_.wait_for(lock, std::chrono::milliseconds(100), released)) {
-      std::vector<std::pair<const void*, uint64_t>> stuck = watch_->stuck();
-      const bool deadlocked = !stuck.empty() && stuck == stuck_before;
-      if (deadlocked || std::chrono::steady_clock::now() > give_up) {
-        broken_ = true;
-        cv_.notify_all();
-        watch_->running();
-        throw std::runtime_error(std::string("simulated CUDA deadlock: not every thread reached ") + what +
-                                 (deadlocked ? " (every thread still running waits at a barrier)" : ""));
-      }
-      stuck_before = std::move(stuck);
-    }
-    watch_->running();
+    waiting_.push_back(current_thread);
+    scheduler_->wait(what);
     if (broken_) throw BlockAborted();
   }
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
   int participants_;
-  DeadlockWatch* watch_;
+  Scheduler* scheduler_;
+  bool block_wide_;
   int arrived_ = 0;
-  std::atomic<uint64_t> generation_{0};
+  std::vector<int> waiting_;
   bool broken_ = false;
 };
 
 struct Warp {
-  explicit Warp(DeadlockWatch* watch) : barrier(32, watch) {}
+  explicit Warp(Scheduler* scheduler) : barrier(32, scheduler) {}
   Barrier barrier;
   uint64_t lanes[32];
 };
 
-struct Block {
-  explicit Block(int threads_, size_t smem_bytes)
-      : threads(threads_), watch(threads_), sync(threads_, &watch), dynamic_smem((smem_bytes + 127) / 128 + 1) {
-    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(std::make_unique<Warp>(&watch));
+// One thread's cp.async copies in flight: the committed groups, oldest first, and the group still open. A copy
+// lands (is performed, reading its source then) only when the thread waits for its group.
+struct AsyncCopies {
+  struct Copy {
+    void* dst;
+    const void* src;
+  };
+  std::deque<std::vector<Copy>> groups;
+  std::vector<Copy> open;
+};
+
+class Block {
+ public:
+  Block(int threads_, size_t smem_bytes, dim3 block_dim)
+      : threads(threads_),
+        scheduler(threads_, block_dim),
+        sync(threads_, &scheduler, true),
+        async_copies(threads_),
+        dynamic_smem((smem_bytes + 127) / 128 + 1) {
+    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(std::make_unique<Warp>(&scheduler));
     const uint32_t poison = 0x7fff7fffu;
     uint32_t* words = reinterpret_cast<uint32_t*>(dynamic_smem.data());
     for (size_t i = 0; i < dynamic_smem.size() * 32; ++i) words[i] = poison;
@@ -231,22 +356,20 @@ struct Block {
   unsigned char* smem() { return reinterpret_cast<unsigned char*>(dynamic_smem.data()); }
   // Barrier `id` of bar.sync (1..15), made on first use.
   Barrier& named(int id) {
-    std::lock_guard<std::mutex> lock(named_mutex);
     std::unique_ptr<Barrier>& barrier = named_barriers[id];
-    if (!barrier) barrier = std::make_unique<Barrier>(0, &watch);
+    if (!barrier) barrier = std::make_unique<Barrier>(0, &scheduler);
     return *barrier;
   }
   void abort() {
     sync.abort();
     for (auto& w : warps) w->barrier.abort();
-    std::lock_guard<std::mutex> lock(named_mutex);
     for (auto& [id, barrier] : named_barriers) barrier->abort();
   }
   int threads;
-  DeadlockWatch watch;
+  Scheduler scheduler;
   Barrier sync;
+  std::vector<AsyncCopies> async_copies;  // per thread
   std::vector<std::unique_ptr<Warp>> warps;
-  std::mutex named_mutex;
   std::map<int, std::unique_ptr<Barrier>> named_barriers;
   struct alignas(128) Line {
     unsigned char bytes[128];
@@ -254,14 +377,14 @@ struct Block {
   std::vector<Line> dynamic_smem;  // 128-byte aligned, as a GPU's shared-memory window is
 };
 
-inline thread_local Block* current_block = nullptr;
-
 }  // namespace clef_sim
 
 inline thread_local uint3 threadIdx;
 inline thread_local uint3 blockIdx;
 inline dim3 blockDim;
 inline dim3 gridDim;
+
+inline void clef_sim::Scheduler::threadIdx_of_fiber(uint3 index) { threadIdx = index; }
 
 inline void __syncthreads() { clef_sim::current_block->sync.arrive_and_wait("__syncthreads"); }
 
@@ -326,6 +449,31 @@ inline void named_barrier_sync(int id, int threads) {
 }
 }  // namespace clef_sim
 
+namespace clef_sim {
+inline void check_finite(float value, const char* what) {
+  if (!std::isfinite(value))
+    throw std::runtime_error(std::string("simulated CUDA: a non-finite value (") + std::to_string(value) + ") in " +
+                             what);
+}
+
+// cp.async as the hardware orders it for the issuing thread: each copy in flight until a wait covers its group.
+inline void cp_async16(void* dst, const void* src) {
+  current_block->async_copies[current_thread].open.push_back({dst, src});
+}
+inline void cp_async_commit() {
+  AsyncCopies& copies = current_block->async_copies[current_thread];
+  copies.groups.push_back(std::move(copies.open));
+  copies.open.clear();
+}
+inline void cp_async_wait(int pending) {
+  AsyncCopies& copies = current_block->async_copies[current_thread];
+  while (static_cast<int>(copies.groups.size()) > pending) {
+    for (const AsyncCopies::Copy& c : copies.groups.front()) std::memcpy(c.dst, c.src, 16);
+    copies.groups.pop_front();
+  }
+}
+}  // namespace clef_sim
+
 inline int __any_sync(unsigned mask, int predicate) {
   return clef_sim::warp_vote(mask, predicate != 0, false, "__any_sync");
 }
@@ -353,11 +501,17 @@ inline cudaError_t cudaGetDevice(int* device) {
 
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
   ++clef_sim::attribute_queries;
+  const clef::ArchLimits limits = clef::arch_limits(clef_sim::compute_capability);
   switch (attr) {
     case cudaDevAttrComputeCapabilityMajor: *value = clef_sim::compute_capability / 10; break;
     case cudaDevAttrComputeCapabilityMinor: *value = clef_sim::compute_capability % 10; break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = clef_sim::max_dynamic_smem_bytes(); break;
     case cudaDevAttrMultiProcessorCount: *value = clef_sim::multiprocessor_count; break;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = limits.smem_per_sm; break;
+    case cudaDevAttrReservedSharedMemoryPerBlock: *value = limits.smem_reserved_per_block; break;
+    case cudaDevAttrMaxThreadsPerMultiProcessor: *value = limits.max_threads_per_sm; break;
+    case cudaDevAttrMaxBlocksPerMultiprocessor: *value = limits.max_blocks_per_sm; break;
+    case cudaDevAttrMaxRegistersPerMultiprocessor: *value = limits.registers_per_sm; break;
   }
   return cudaSuccess;
 }
@@ -365,6 +519,11 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) 
 #define CLEF_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(clef_sim::current_block->smem())
 #define CLEF_DYNAMIC_SHARED_ALIGNED(type, name, bytes) CLEF_DYNAMIC_SHARED(type, name)
 #define CLEF_FAULT(name, good, faulty) (clef_sim::active_fault == #name ? (faulty) : (good))
+#define CLEF_CHECK_FINITE(value, what) clef_sim::check_finite(value, what)
+#define CLEF_FAULT_BAND_CONTAINS(c) (clef_sim::fault_band_lo <= (c) && (c) < clef_sim::fault_band_hi)
+#define CLEF_CP_ASYNC16(dst, src) clef_sim::cp_async16(dst, src)
+#define CLEF_CP_ASYNC_COMMIT() clef_sim::cp_async_commit()
+#define CLEF_CP_ASYNC_WAIT(n) clef_sim::cp_async_wait(n)
 #define CLEF_CHECK_ALIGNED(ptr, bytes, what) clef_sim::check_aligned(ptr, bytes, what)
 #define CLEF_BAR_SYNC(id, threads) clef_sim::named_barrier_sync(id, threads)
 #define CLEF_DEVICE_GENERATION() clef_sim::device_generation.load()
@@ -411,26 +570,20 @@ class Launch {
  private:
   template <typename... Args>
   void run_block(uint3 block_index, int threads, const Args&... args) const {
-    Block block(threads, smem_);
-    std::vector<std::thread> workers;
+    Block block(threads, smem_, block_);
     std::vector<std::exception_ptr> errors(threads);
-    workers.reserve(threads);
-    for (int t = 0; t < threads; ++t) {
-      workers.emplace_back([&, t] {
-        current_block = &block;
-        current_thread = t;
-        threadIdx = uint3{t % block_.x, (t / block_.x) % block_.y, t / (block_.x * block_.y)};
-        blockIdx = block_index;
-        try {
-          kernel_(args...);
-        } catch (...) {
-          errors[t] = std::current_exception();
-          block.abort();
-        }
-        block.watch.exited(t);
-      });
-    }
-    for (auto& w : workers) w.join();
+    current_block = &block;
+    blockIdx = block_index;
+    auto body = [&](int t) {
+      try {
+        kernel_(args...);
+      } catch (...) {
+        errors[t] = std::current_exception();
+        block.abort();
+      }
+    };
+    block.scheduler.run(body);
+    current_block = nullptr;
     for (auto& e : errors) {
       if (!e) continue;
       try {

@@ -9,6 +9,49 @@
 #include "common/cuda_utils.cuh"
 // clang-format on
 
+// The simulator's fiber switch (cuda_sim.h Scheduler), x86-64 System V: the callee-saved registers, the SSE
+// and x87 control words, then the stack pointer; the first switch into a fiber returns into
+// clef_sim_fiber_start, which calls r13(r12) on a 16-byte aligned stack.
+#if !defined(__x86_64__)
+#error "the CUDA simulator's fiber switch is written for x86-64"
+#endif
+asm(R"(
+    .text
+    .globl clef_sim_switch_context
+    .type clef_sim_switch_context, @function
+clef_sim_switch_context:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $16, %rsp
+    stmxcsr 8(%rsp)
+    fnstcw 12(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr 8(%rsp)
+    fldcw 12(%rsp)
+    addq $16, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size clef_sim_switch_context, .-clef_sim_switch_context
+
+    .globl clef_sim_fiber_start
+    .type clef_sim_fiber_start, @function
+clef_sim_fiber_start:
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+    .size clef_sim_fiber_start, .-clef_sim_fiber_start
+)");
+
 namespace {
 
 // One block of 4 warps. Warps 0 and 1 (and 2 and 3) hand a value over through shared memory across a
@@ -60,6 +103,15 @@ int64_t set_compute_capability(int64_t cc) {
   return previous;
 }
 
+// The compile check's archs with one card each (csrc/common/arch_limits.h kCheckedArchs): "cc card SMs" lines,
+// the devices tests simulate per arch.
+std::vector<std::string> checked_archs() {
+  std::vector<std::string> lines;
+  for (const auto& a : clef::kCheckedArchs)
+    lines.push_back(std::to_string(a.compute_capability) + " " + a.card + " " + std::to_string(a.multiprocessors));
+  return lines;
+}
+
 int64_t set_multiprocessor_count(int64_t sms) {
   TORCH_CHECK_VALUE(sms >= 1 && sms <= 1024, "set_multiprocessor_count: 1..1024 SMs, got ", sms);
   const int previous = clef_sim::multiprocessor_count;
@@ -72,6 +124,14 @@ std::string set_block_order(c10::string_view order) {
   TORCH_CHECK_VALUE(order == "last-first" || order == "first-last", "set_block_order: last-first or first-last");
   std::string previous = clef_sim::blocks_last_first ? "last-first" : "first-last";
   clef_sim::blocks_last_first = order == "last-first";
+  return previous;
+}
+
+// The band of channels a band fault (CLEF_FAULT_BAND_CONTAINS) zeroes, [lo, hi); returns the previous one.
+std::vector<int64_t> set_fault_band(int64_t lo, int64_t hi) {
+  std::vector<int64_t> previous{clef_sim::fault_band_lo, clef_sim::fault_band_hi};
+  clef_sim::fault_band_lo = lo;
+  clef_sim::fault_band_hi = hi;
   return previous;
 }
 
@@ -92,7 +152,9 @@ TORCH_LIBRARY_FRAGMENT(clef_sim, m) {
   m.def("launcher_device_calls() -> int[]", &launcher_device_calls);
   m.def("set_compute_capability(int cc) -> int", &set_compute_capability);
   m.def("set_multiprocessor_count(int sms) -> int", &set_multiprocessor_count);
+  m.def("checked_archs() -> str[]", &checked_archs);
   m.def("set_fault(str name) -> str", &set_fault);
+  m.def("set_fault_band(int lo, int hi) -> int[]", &set_fault_band);
   m.def("set_block_order(str order) -> str", &set_block_order);
   m.def("probe_named_barriers(str how) -> str", &probe_named_barriers);
 }
