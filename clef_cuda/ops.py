@@ -140,7 +140,9 @@ class OpLibrary:
         g [N, Hv] log decay, beta [N, Hv], states [S, Hv, Dk, Dv] fp32, cu_seqlens [B+1], state_indices [B],
         has_initial_state [B]; scale defaults to Dk ** -0.5 -> out [N, Hv, Dv] (dtype of v).
         kernel: "auto" (the dispatch rule; see gated_delta_rule_dispatch), or on a GPU "chunked" (64-token
-        chunks on tensor cores) or "serial" (token by token, fp32 SIMT) forced: the autotune, benchmarks, tests.
+        chunks on tensor cores) or "serial" (token by token, fp32 SIMT) forced: the autotune, benchmarks, tests;
+        "chunked:s32" and the like also force the chunked kernel's state-pass variant (gated_delta_rule_variant):
+        the self-check proves each one a device may run.
         """
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         if out is None:
@@ -167,6 +169,13 @@ class OpLibrary:
         from sm_80, head dims 16..128, sequences of 32 tokens or more on average), "serial" or "cpu". A forced
         kernel that cannot run them raises ValueError saying why."""
         return self._ops.gated_delta_rule_dispatch(q, v, _int32(cu_seqlens), kernel)
+
+    def gated_delta_rule_variant(self, q: Tensor, v: Tensor, cu_seqlens: Tensor, kernel: str = "auto") -> str:
+        """gated_delta_rule_dispatch with the chunked kernel's state-pass variant named, as `kernel` forces it:
+        "chunked:s64" (64 state columns a CTA, its tiles staged in shared memory), "chunked:d128" (128, read
+        from the workspace), ...; the variant follows the device's residency (csrc/gated_delta_rule/
+        gated_delta_rule.h gdr_state_variant), so a device runs different ones at different pack sizes."""
+        return self._ops.gated_delta_rule_variant(q, v, _int32(cu_seqlens), kernel)
 
     def gated_delta_rule_recurrent(
         self,
@@ -438,6 +447,7 @@ causal_conv1d_fwd = _default.causal_conv1d_fwd
 causal_conv1d_update = _default.causal_conv1d_update
 gated_delta_rule_chunk = _default.gated_delta_rule_chunk
 gated_delta_rule_dispatch = _default.gated_delta_rule_dispatch
+gated_delta_rule_variant = _default.gated_delta_rule_variant
 gated_delta_rule_recurrent = _default.gated_delta_rule_recurrent
 reshape_and_cache = _default.reshape_and_cache
 paged_attention = _default.paged_attention

@@ -39,6 +39,7 @@ CLEF_LIBRARY(CLEF_NS, m) {
       "Tensor cu_seqlens, Tensor state_indices, Tensor has_initial_state, float scale, bool use_qk_l2norm, "
       "Tensor(b!) out, str kernel=\"auto\") -> ()");
   m.def("gated_delta_rule_dispatch(Tensor q, Tensor v, Tensor cu_seqlens, str kernel=\"auto\") -> str");
+  m.def("gated_delta_rule_variant(Tensor q, Tensor v, Tensor cu_seqlens, str kernel=\"auto\") -> str");
   m.def(
       "gated_delta_rule_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, "
       "Tensor state_indices, float scale, bool use_qk_l2norm, Tensor(b!) out) -> ()");
@@ -73,6 +74,7 @@ CLEF_LIBRARY(CLEF_NS, m) {
   m.impl("causal_conv1d_update", &clef::causal_conv1d_update);             \
   m.impl("gated_delta_rule_chunk", &clef::gated_delta_rule_chunk);         \
   m.impl("gated_delta_rule_dispatch", &clef::gated_delta_rule_dispatch);   \
+  m.impl("gated_delta_rule_variant", &clef::gated_delta_rule_variant);     \
   m.impl("gated_delta_rule_recurrent", &clef::gated_delta_rule_recurrent); \
   m.impl("reshape_and_cache", &clef::reshape_and_cache);                   \
   m.impl("paged_attention", &clef::paged_attention);                       \

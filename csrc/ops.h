@@ -26,6 +26,9 @@ void gated_delta_rule_chunk(const at::Tensor& q, const at::Tensor& k, const at::
 // "auto", or a forced one, which raises when it cannot run them).
 std::string gated_delta_rule_dispatch(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cu_seqlens,
                                       c10::string_view kernel);
+// The same with the chunked kernel's state-pass variant named: "chunked:s32", "chunked:d128", ..., else as above.
+std::string gated_delta_rule_variant(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                     c10::string_view kernel);
 void gated_delta_rule_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                 const at::Tensor& beta, at::Tensor& states, const at::Tensor& state_indices,
                                 double scale, bool use_qk_l2norm, at::Tensor& out);

@@ -88,8 +88,33 @@ int main() {
 ARCHS = arch_table()
 HEAD_DIMS = (16, 32, 64, 128, 256)
 WMMA_HEAD_DIMS = (64, 128, 256)
-# The chunked delta rule's (head dim, state columns a CTA) and (head dim, output columns a pass).
-GDR_STATE_COLUMNS = ((16, 16), (32, 16), (32, 32), (64, 16), (64, 32), (128, 16), (128, 32))
+
+
+def delta_rule_state_variants() -> list[tuple[int, int, bool]]:
+    """(head dim, state columns a CTA, staged) of every state-pass variant the chunked delta rule compiles
+    (gated_delta_rule.h gdr_state_variants, read through a host probe: the launcher dispatches exactly these)."""
+    probe = r"""
+#include <cstdio>
+#include <initializer_list>
+#include "gated_delta_rule/gated_delta_rule.h"
+int main() {
+  for (int d : {16, 32, 64, 128}) {
+    const clef::GdrStateVariants v = clef::gdr_state_variants(d);
+    for (int i = 0; i < v.count; ++i) std::printf("%d %d %d\n", d, v.list[i].columns, v.list[i].staged ? 1 : 0);
+  }
+}
+"""
+    return [
+        (int(d), int(bv), staged == "1") for d, bv, staged in (line.split() for line in host_probe(probe).splitlines())
+    ]
+
+
+# The chunked delta rule's state-pass variants, each staged one with its cp.async (sm_80 on) and register
+# fetches, and its (head dim, output columns a pass).
+GDR_STATE_VARIANTS = delta_rule_state_variants()
+GDR_STATE_INSTANCES = [
+    (d, bv, staged, fetch) for d, bv, staged in GDR_STATE_VARIANTS for fetch in ((False, True) if staged else (False,))
+]
 GDR_OUTPUT_COLUMNS = ((16, 16), (32, 32), (64, 64), (128, 128), (128, 64))
 
 # (kernels header, launcher, explicit instantiations). The launcher is read to make sure every size it
@@ -116,19 +141,18 @@ FAMILIES = {
             for d in (16, 32, 64, 128)
         ]
         + [
-            f"template __global__ void clef::gdr_chunk_state_kernel<{t}, {d}, {bv}>(clef::GatedDeltaRuleParams);"
+            f"template __global__ void clef::gdr_chunk_state_kernel<{t}, {d}, {bv}, {str(staged).lower()}, "
+            f"{str(fetch).lower()}>(clef::GatedDeltaRuleParams);"
             for t in DTYPES[1:]
-            for d, bv in GDR_STATE_COLUMNS
+            for d, bv, staged, fetch in GDR_STATE_INSTANCES
         ]
         + [
             f"template __global__ void clef::gdr_chunk_output_kernel<{t}, {d}, {oc}>(clef::GatedDeltaRuleParams);"
             for t in DTYPES[1:]
             for d, oc in GDR_OUTPUT_COLUMNS
         ],
-        # the serial kernel's head dims; the chunked one's head dim * 1000 + state columns * 10 + (output
-        # columns == head dim)
-        [16, 32, 64, 128]
-        + [d * 1000 + bv * 10 + (oc == d) for d, bv in GDR_STATE_COLUMNS for dd, oc in GDR_OUTPUT_COLUMNS if dd == d],
+        # the serial kernel's head dims (and the chunked one's); the state pass's columns a CTA
+        [16, 32, 64, 128],
     ),
     "paged_attention": (
         "paged_attention/paged_attention_kernels.cuh",
@@ -421,27 +445,26 @@ int main(int, char** argv) {
 @dataclass
 class DeltaRuleTiles:
     """The chunked delta rule's passes on an arch for a head dim: the dynamic shared memory of each (the prepare
-    pass, the state pass at its columns a CTA, the output pass at its columns a pass); columns 0: none fits."""
+    pass; each state-pass variant, "s32" or "d128", 0 where it does not fit; the output pass at its columns a
+    pass, 0 columns: none fits)."""
 
     head_dim: int
     prepare_bytes: int
-    state_columns: int
-    state_bytes: int
     output_columns: int
     output_bytes: int
+    state_bytes: dict[str, int] = field(default_factory=dict)
 
     def fits(self, limit: int) -> bool:
         return (
-            self.state_columns > 0
-            and self.output_columns > 0
-            and max(self.prepare_bytes, self.state_bytes, self.output_bytes) <= limit
+            self.output_columns > 0
+            and any(0 < b <= limit for b in self.state_bytes.values())
+            and max(self.prepare_bytes, self.output_bytes) <= limit
         )
 
 
 def delta_rule_tiles(smem_limit: int) -> list[DeltaRuleTiles]:
-    """What each head dim's chunked delta rule gets with `smem_limit` bytes a block (one record on a device of
-    one SM: the state pass's widest columns), from the dispatch rule's own functions
-    (csrc/gated_delta_rule/gated_delta_rule.h), compiled into a host probe."""
+    """What each head dim's chunked delta rule gets with `smem_limit` bytes a block, from the dispatch rule's own
+    functions (csrc/gated_delta_rule/gated_delta_rule.h), compiled into a host probe."""
     probe = r"""
 #include <cstdio>
 #include <cstdlib>
@@ -449,16 +472,24 @@ def delta_rule_tiles(smem_limit: int) -> list[DeltaRuleTiles]:
 #include "gated_delta_rule/gated_delta_rule.h"
 int main(int, char** argv) {
   const int limit = std::atoi(argv[1]);
-  const clef::CudaDevice device{70, limit, 1};
   for (int d : {16, 32, 64, 128}) {
-    const int bv = clef::gdr_state_columns(d, 1, 1, device), oc = clef::gdr_output_columns(d, limit);
-    std::printf("%d %d %d %d %d %d\n", d, clef::gdr_prepare_layout(d).bytes, bv,
-                bv ? clef::gdr_state_layout(d, bv).bytes : 0, oc, oc ? clef::gdr_output_layout(d, oc).bytes : 0);
+    const int oc = clef::gdr_output_columns(d, limit);
+    std::printf("%d %d %d %d", d, clef::gdr_prepare_layout(d).bytes, oc, oc ? clef::gdr_output_layout(d, oc).bytes : 0);
+    const clef::GdrStateVariants v = clef::gdr_state_variants(d);
+    for (int i = 0; i < v.count; ++i) {
+      const int bytes = clef::gdr_state_layout(d, v.list[i].columns, v.list[i].staged).bytes;
+      std::printf(" %c%d=%d", v.list[i].staged ? 's' : 'd', v.list[i].columns, bytes <= limit ? bytes : 0);
+    }
+    std::printf("\n");
   }
 }
 """
-    out = host_probe(probe, str(smem_limit))
-    return [DeltaRuleTiles(*(int(x) for x in line.split())) for line in out.splitlines()]
+    tiles = []
+    for line in host_probe(probe, str(smem_limit)).splitlines():
+        d, prepare, oc, output, *variants = line.split()
+        state = {name: int(size) for name, size in (v.split("=") for v in variants)}
+        tiles.append(DeltaRuleTiles(int(d), int(prepare), int(oc), int(output), state))
+    return tiles
 
 
 def nvrtc_for(packages: str | None) -> tuple[Nvrtc, list[Path]]:
@@ -543,12 +574,14 @@ def print_report(report: Report, quiet: bool) -> None:
         print("     chunked delta rule: no tensor cores before sm_70 (the token-serial kernel runs)")
         return
     print(
-        "     chunked delta rule passes (dynamic shared memory: prepare, state at its columns, output at its columns):"
+        "     chunked delta rule passes (dynamic shared memory: prepare, each state-pass variant that fits, output at"
+        " its columns):"
     )
     for t in report.delta_rule:
+        states = ", ".join(f"{name} {size} B" for name, size in t.state_bytes.items() if size)
         print(
-            f"     D={t.head_dim:<3d} prepare {t.prepare_bytes:>6d} B, state {t.state_columns:>2d} columns "
-            f"{t.state_bytes:>6d} B, output {t.output_columns:>3d} columns {t.output_bytes:>6d} B"
+            f"     D={t.head_dim:<3d} prepare {t.prepare_bytes:>6d} B, state {states}, output {t.output_columns:>3d} "
+            f"columns {t.output_bytes:>6d} B"
         )
 
 

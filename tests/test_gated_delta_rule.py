@@ -13,6 +13,7 @@ from conftest import (
     qwen35_module,
     rel_err,
     simulated,
+    simulated_cards,
 )
 from packing import cu_seqlens_of, nan_like, slot_plan
 
@@ -295,6 +296,99 @@ def test_chunked_matches_reference(tc_backend, dtype):
         check_chunked(tc_backend, lengths, hk, hv, d, dtype)
 
 
+# ---- the state pass's variants: which each card runs, and each against the references -----------------------
+# (compute capability, Hv) -> the state-pass variant the rule picks for a pack of 1, 2, 4 and 16 sequences at head
+# dim 128 on the arch's card in csrc/common/arch_limits.h (its SMs and per-SM limits): clef-flash's 32 value
+# heads and clef 27B's 48. "s64": 64 state columns a CTA, the chunk's tiles staged in shared memory; "d128": 128,
+# read from the workspace. At B = 1 each card's choice runs in one wave where some variant can (the T4 with 27B's
+# 48 heads cannot: 48 CTAs of its 40 SMs' one each); benchmarks/delta_rule_occupancy.py prints the waves.
+VARIANTS = {
+    (70, 32): ("s64", "d64", "d64", "d64"),
+    (70, 48): ("d64", "d64", "d64", "d64"),
+    (75, 32): ("d128", "d128", "d128", "d128"),
+    (75, 48): ("d128", "d128", "d128", "d128"),
+    (80, 32): ("s32", "s64", "d128", "d128"),
+    (80, 48): ("s32", "s64", "d128", "d128"),
+    (86, 32): ("s64", "d64", "d64", "d64"),
+    (86, 48): ("d64", "d64", "d64", "d64"),
+    (89, 32): ("d64", "d64", "d64", "d64"),
+    (89, 48): ("d64", "d64", "d64", "d64"),
+    (90, 32): ("s16", "s32", "s64", "d128"),
+    (90, 48): ("s32", "s64", "d128", "d128"),
+    (100, 32): ("s16", "s32", "s64", "d128"),
+    (100, 48): ("s32", "s64", "d128", "d128"),
+    (120, 32): ("s32", "s64", "d64", "d64"),
+    (120, 48): ("s64", "d64", "d64", "d64"),
+}
+VARIANT_BATCHES = (1, 2, 4, 16)
+
+
+def state_variant(sim_ops, cc: int, sms: int, hv: int, batch: int) -> str:
+    q = torch.zeros(64 * batch, 16, 128, dtype=torch.float16)
+    v = torch.zeros(64 * batch, hv, 128, dtype=torch.float16)
+    with simulated(compute_capability=cc, multiprocessors=sms):
+        return sim_ops.gated_delta_rule_variant(q, v, cu_seqlens_of([64] * batch), "chunked").removeprefix("chunked:")
+
+
+def check_state_variants(backend, dtype, variants=None, naive=None) -> None:
+    """Each state-pass variant compiled for head dim 128 (or `variants`), forced, on the simulated device's arch:
+    a pack of 1, 2 and 3 chunks (tails) with initial states, the self-check's gates (every row of a chunk carries
+    weight) against the fp32 reference, outputs and states; and with `naive` (FLA's oracle) a 150-token sequence
+    against its chunked and recurrent forms too."""
+    from clef_cuda.serving.selfcheck import delta_rule_gates
+
+    generator = torch.Generator().manual_seed(5)
+    for variant in variants or ("s16", "s32", "s64", "d64", "d128"):
+        kernel = f"chunked:{variant}"
+        try:
+            backend.ops.gated_delta_rule_dispatch(*_dispatch_args(dtype), kernel)
+        except ValueError:
+            assert variants is None, f"{variant} cannot run here"  # a listed variant must run
+            continue  # this device's shared memory does not hold it (s64 on a T4)
+        lengths = [65, 1, 130]
+        g, beta = delta_rule_gates(tuple(lengths), 2, generator)
+        out_err, state_err = chunked_errors(
+            backend, lengths, 1, 2, 128, dtype, kernel=kernel, g=lambda _, g=g: g, beta=lambda _, b=beta: b
+        )
+        assert out_err < TOLERANCE[dtype] and state_err < TOLERANCE[dtype], (variant, out_err, state_err)
+        if naive is not None:
+            check_against_fla_naive(backend, naive, 150, 2, 128, kernel)
+
+
+def _dispatch_args(dtype):
+    return torch.zeros(64, 1, 128, dtype=dtype), torch.zeros(64, 2, 128, dtype=dtype), cu_seqlens_of([64])
+
+
+def test_each_card_runs_the_variant_its_residency_picks_and_each_matches_the_references(sim_ops):
+    """The (arch, heads, sequences) -> variant table above, from each card's SMs and per-SM limits; then each
+    variant a card picks, forced on that card's simulated device (its shared memory, cp.async from sm_80 or
+    registers before), against the fp32 reference and FLA's naive oracles, in f16 and (from sm_80) bf16."""
+    cards = simulated_cards()
+    naive = load_fla_naive()
+    for (cc, hv), expected in VARIANTS.items():
+        card, sms = cards[cc]
+        picked = tuple(state_variant(sim_ops, cc, sms, hv, b) for b in VARIANT_BATCHES)
+        assert picked == expected, (card, hv, picked)
+    backend = Backend("sim", sim_ops, torch.device("cpu"))
+    for cc in sorted({cc for cc, _ in VARIANTS}):
+        variants = sorted({v for (c, _), vs in VARIANTS.items() if c == cc for v in vs})
+        with simulated(compute_capability=cc, multiprocessors=cards[cc][1]):
+            for dtype in (torch.float16, torch.bfloat16) if cc >= 80 else (torch.float16,):
+                check_state_variants(backend, dtype, variants, naive if dtype == torch.float16 else None)
+
+
+def test_the_variants_checks_catch_a_fault_in_each_fetch_path(sim_ops):
+    """The staged variants fetch a chunk's tiles with cp.async from sm_80 and through registers before: a read
+    before the cp.async lands (sm_80) and a register fetch stored while the chunk's W is still read (sm_70) each
+    fail the checks above (a non-finite value or past the tolerance), which pass without them."""
+    backend = Backend("sim", sim_ops, torch.device("cpu"))
+    for cc, fault in ((80, "gdr_cp_async_not_waited"), (70, "gdr_prefetch_lands_early")):
+        with simulated(compute_capability=cc):
+            check_state_variants(backend, torch.float16, ("s32",))
+            with simulated(fault=fault), pytest.raises((AssertionError, RuntimeError)):
+                check_state_variants(backend, torch.float16, ("s32",))
+
+
 def test_chunked_runs_any_block_order(sim_ops):
     """A GPU runs a grid's blocks in any order: the passes' CTAs write disjoint rows of the workspace."""
     backend = Backend("sim", sim_ops, torch.device("cpu"))
@@ -329,34 +423,38 @@ def test_chunked_normalises_keys_before_they_are_rounded(tc_backend):
     check_chunked(tc_backend, [70, 65], 1, 2, 32, torch.float16, **big)
 
 
-def test_chunked_matches_fla_naive(tc_backend):
-    """Against FLA's naive chunked and recurrent oracles directly (keys normalised by the caller, no fused
+def check_against_fla_naive(backend, naive, length=150, h=2, d=32, kernel="chunked") -> None:
+    """The op against FLA's naive chunked and recurrent oracles directly (keys normalised by the caller, no fused
     norm), on the same f16-rounded inputs, with an initial state carried in and the final one out."""
-    naive = load_fla_naive()
-    length, h, d = 150, 2, 32
     q = torch.randn(length, h, d).half()
     k = torch.nn.functional.normalize(torch.randn(length, h, d), dim=-1).half()
     v = torch.randn(length, h, d).half()
-    g, beta = -torch.rand(length, h) * 2, torch.rand(length, h)
+    g, beta = -torch.rand(length, h) * 0.1, torch.rand(length, h)
     initial = torch.randn(h, d, d) * 0.3
-    dev = tc_backend.device
+    dev = backend.device
     states = initial.clone().unsqueeze(0).to(dev)
-    ours = tc_backend.ops.gated_delta_rule_chunk(
+    ours = backend.ops.gated_delta_rule_chunk(
         *(t.to(dev) for t in (q, k, v, g, beta)),
         states,
         cu_seqlens_of([length], dev),
         torch.tensor([0], device=dev),
         torch.tensor([True], device=dev),
         use_qk_l2norm=False,
-        kernel="chunked",
+        kernel=kernel,
     ).cpu()
     batched = [t.float().unsqueeze(0) for t in (q, k, v)]
     for oracle in (naive.naive_chunk_gated_delta_rule, naive.naive_recurrent_gated_delta_rule):
         theirs, final = oracle(
             *batched, g=g[None], beta=beta[None], initial_state=initial[None].clone(), output_final_state=True
         )
-        assert rel_err(ours, theirs[0]) < TOLERANCE[torch.float16], oracle.__name__
-        assert rel_err(states[0].cpu(), final[0]) < TOLERANCE[torch.float16], oracle.__name__
+        assert rel_err(ours, theirs[0]) < TOLERANCE[torch.float16], (kernel, oracle.__name__)
+        assert rel_err(states[0].cpu(), final[0]) < TOLERANCE[torch.float16], (kernel, oracle.__name__)
+
+
+def test_chunked_matches_fla_naive(tc_backend):
+    """Against FLA's naive chunked and recurrent oracles directly, with an initial state carried in and the final
+    one out (slow decays: the whole chunk carries weight)."""
+    check_against_fla_naive(tc_backend, load_fla_naive())
 
 
 def test_chunked_kernel_prefill_then_decode_equals_one_long_recurrence(tc_backend):
@@ -466,5 +564,6 @@ def test_the_chunked_checks_catch_each_fault(sim_ops, fault):
     W without its decay, the causal mask skipped in P, the state not carried from one chunk to the next."""
     backend = Backend("sim", sim_ops, torch.device("cpu"))
     check_chunked(backend, [65, 130], 1, 2, 16, torch.float16)  # passes without the fault
-    with simulated(fault=fault), pytest.raises(AssertionError):
+    # caught: past the tolerance, or a non-finite value the simulator saw (CLEF_CHECK_FINITE)
+    with simulated(fault=fault), pytest.raises((AssertionError, RuntimeError)):
         check_chunked(backend, [65, 130], 1, 2, 16, torch.float16)

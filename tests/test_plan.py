@@ -356,7 +356,7 @@ def test_bf16_before_sm_80_is_a_one_line_error_naming_f16(monkeypatch, capabilit
 def test_the_plan_counts_the_chunked_delta_rules_workspace():
     """A step's delta net holds the chunked kernel's workspace in f16 and bf16 (the dtypes it runs), sized as the
     kernel's own gdr_chunked_workspace (csrc/gated_delta_rule/gated_delta_rule.h, compiled into a probe) sizes it,
-    up to its 256-byte alignment of five regions; nothing in fp32."""
+    up to its 256-byte alignment of six regions; nothing in fp32."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("check_archs", ROOT / "scripts" / "check_archs.py")
@@ -369,19 +369,19 @@ def test_the_plan_counts_the_chunked_delta_rules_workspace():
 #include "gated_delta_rule/gated_delta_rule.h"
 int main(int, char** argv) {
   std::printf("%lld\n", static_cast<long long>(clef::gdr_chunked_workspace(std::atoll(argv[1]), std::atoi(argv[2]),
-                                                                           32, 128, 2).bytes));
+                                                                           16, 32, 128, 2).bytes));
 }
 """
     flash = load_release_config(flash_config_release(ROOT / ".cache" / "plan-flash")).trunk
     for tokens, sequences in ((2048, 1), (1000, 3), (8192, 4)):
         kernel = int(check_archs.host_probe(probe, str(tokens), str(sequences)))
         ours = delta_rule_workspace_bytes(flash, torch.float16, tokens, sequences)
-        assert 0 <= kernel - ours <= 5 * 256, (tokens, sequences, kernel, ours)
+        assert 0 <= kernel - ours <= 6 * 256, (tokens, sequences, kernel, ours)
         residual = 3 * tokens * flash.hidden_size * 4
         assert step_activation_bytes(flash, torch.bfloat16, tokens, sequences) >= residual + ours  # counted in a step
     assert delta_rule_workspace_bytes(flash, torch.float32, 2048) == 0
-    # clef-flash at 2,048 tokens: about 66 MiB (W and U 32 MiB, a state per chunk 33 MiB)
-    assert 60 * 2**20 < delta_rule_workspace_bytes(flash, torch.float16, 2048) < 70 * 2**20
+    # clef-flash at 2,048 tokens, 33 chunk tiles: about 75 MiB (W and U 33 MiB, a state per chunk 33 MiB, keys 8 MiB)
+    assert 70 * 2**20 < delta_rule_workspace_bytes(flash, torch.float16, 2048) < 80 * 2**20
 
 
 # ---- restored (lost in a01c80d): the cards a 16 GB plan leaves out, the CLI's exits, sizes, the metrics ----------

@@ -141,7 +141,7 @@ class GuardedOps:
             kind = classify(error)
             if kind not in (STICKY, LAUNCH):
                 raise
-            name = self._dispatched(op, args) if kernel == "auto" else f"{op}:{kernel}"
+            name = self._dispatched(op, args) if kernel == "auto" else f"{op}:{kernel.split(':')[0]}"
             if kind == STICKY:
                 raise KernelFault(name, first_line(error)) from error
             self.mark_failed(name, f"could not launch: {first_line(error)}")
@@ -151,9 +151,10 @@ class GuardedOps:
         """The kernel to force ("auto" when nothing failed), or None: run the reference."""
         universal = KERNEL_CHOICES[op][2]
         if requested != "auto":
-            name = f"{op}:{requested}"
-            if name in self.failed:
-                raise ValueError(f"{op}: kernel={requested!r} failed on this device: {self.failed[name]}")
+            # a variant ("chunked:s64") has failed when its kernel has
+            for name in (f"{op}:{requested}", f"{op}:{requested.split(':')[0]}"):
+                if name in self.failed:
+                    raise ValueError(f"{op}: kernel={requested!r} failed on this device: {self.failed[name]}")
             return requested
         if f"{op}:auto" in self.failed:
             return None

@@ -119,15 +119,16 @@ def plan_cache(trunk: TrunkConfig, dtype: torch.dtype, config, free_bytes: int, 
 
 def delta_rule_workspace_bytes(trunk: TrunkConfig, dtype: torch.dtype, tokens: int, sequences: int = 1) -> int:
     """The chunked delta rule kernel's workspace for a step of `tokens` tokens over `sequences` sequences (the
-    CUDA kernel's gdr_chunked_workspace, csrc/gated_delta_rule/gated_delta_rule.h): per token and value head
-    its cumulative decay (fp32), W and U rows; per 64-token chunk and value head the state at its start. Only
-    f16/bf16 run that kernel: 0 otherwise."""
+    CUDA kernel's gdr_chunked_workspace, csrc/gated_delta_rule/gated_delta_rule.h): per 64-token chunk (a pack
+    has at most tokens / 64 + sequences) and value head its cumulative decay (fp32), W and U rows and the state at
+    its start; per chunk and key head the normalised keys. Only f16/bf16 run that kernel: 0 otherwise."""
     width = dtype_bytes(dtype)
     if width != 2 or not trunk.linear_layers:
         return 0
-    hv, d = trunk.linear_num_value_heads, trunk.linear_value_head_dim
+    hk, hv, d = trunk.linear_num_key_heads, trunk.linear_num_value_heads, trunk.linear_value_head_dim
     chunks = -(-tokens // 64) + sequences
-    return tokens * hv * (4 + 2 * d * width) + chunks * hv * (d * d * width + d // 16 * 4)
+    per_value_head = 64 * 4 + 2 * 64 * d * width + d * d * width + d // 16 * 4
+    return chunks * (hv * per_value_head + hk * 64 * d * width)
 
 
 def step_activation_bytes(trunk: TrunkConfig, dtype: torch.dtype, tokens: int, sequences: int = 1) -> int:

@@ -29,6 +29,15 @@ namespace clef {
 
 enum class GdrKernel : int { Auto = 0, Serial = 1, Chunked = 2 };
 
+// The chunked kernel's state pass comes in variants (gdr_state_variants below): how many state columns a CTA
+// carries, and whether the chunk's W, keys and U columns are staged in shared memory (the next chunk's fetched
+// while this one computes) or read by the tensor cores straight from the workspace (no tiles: a fraction of the
+// shared memory, so wide CTAs fit small cards). Named "s32", "d128", ... (ops.gated_delta_rule_variant).
+struct GdrStateVariant {
+  int columns = 0;     // state columns a CTA: 16, 32, 64 or 128; 0 = none (or: the rule's)
+  bool staged = true;  // W, keys and U in shared memory (else read from the workspace)
+};
+
 struct GatedDeltaRuleParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -55,7 +64,8 @@ struct GatedDeltaRuleParams {
   // in by the host entry from gated_delta_rule_cuda_choice.
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
-  int state_columns = 0;   // state columns per CTA of the state pass (16 or 32)
+  GdrStateVariant state_request{0, true};  // a forced state-pass variant ("chunked:s32"); 0 columns: the rule's
+  GdrStateVariant state{0, true};          // the state pass's variant (gdr_state_variant)
   int output_columns = 0;  // output columns per pass of the output kernel (head_v_dim or half of it)
 };
 
@@ -114,6 +124,7 @@ CLEF_HD GdrColumnStep<V> gdr_column_step(V sk, V sq, V v, float decay, float bet
 // ---- the chunked kernel: chunks, workspace, shared memory, dispatch ---------------------------------
 constexpr int kGdrChunk = 64;        // tokens a chunk (the WY form's block)
 constexpr int kGdrChunkWarps = 4;    // each owns 16 of a chunk's rows
+constexpr int kGdrChunkThreads = 32 * kGdrChunkWarps;
 constexpr int kGdrScratchLd = 20;    // a warp's fp32 16 x 16 staging tile, rows padded (16-byte multiple)
 // Below this many tokens a sequence on average, "auto" runs the token-serial kernel: the chunked one pays
 // three launches and a workspace per call, the serial one a barrier per token (the autotune measures the
@@ -123,7 +134,7 @@ constexpr int kGdrChunkedMinTokens = 32;
 CLEF_HD int gdr_num_chunks(int len) { return (len + kGdrChunk - 1) / kGdrChunk; }
 
 // A pack has at most this many chunks (each sequence adds at most one partial chunk): the grid of the
-// per-chunk passes and the rows of the workspace's per-chunk states, known without reading cu_seqlens.
+// per-chunk passes and the workspace's chunk slots, known without reading cu_seqlens.
 CLEF_HD int64_t gdr_max_chunks(int64_t num_tokens, int batch) { return (num_tokens + kGdrChunk - 1) / kGdrChunk + batch; }
 
 // Chunks are numbered through the pack: sequence b's chunks follow sequence b-1's.
@@ -154,24 +165,28 @@ CLEF_HD GdrChunkRef gdr_find_chunk(const GatedDeltaRuleParams& p, int chunk) {
   return GdrChunkRef{false, 0, 0, 0};
 }
 
-// The workspace, byte offsets from its (256-byte aligned) base. Per token and value head: the in-chunk
-// cumulative log decay G (fp32) and the rows of W and U (then v_new, written over U) in the activation dtype;
-// per chunk and value head: the state at the chunk's start, scaled by a power of two per 16 columns and
-// rounded to the activation dtype (h), and those scales.
+// The workspace, byte offsets from its (256-byte aligned) base, in tiles of a chunk's 64 rows per (chunk, head)
+// (chunk numbering: gdr_find_chunk): per value head the in-chunk cumulative log decay G (fp32), W and U (then
+// v_new) in the activation dtype, the state at the chunk's start scaled by a power of two per 16 columns and
+// rounded (h), and those scales; per key head the normalised keys, rounded once. Rows past a sequence's last
+// token are written too (zeros; G holds the last token's value), so every later read of a tile is whole and
+// finite, and a tile is one contiguous block: a 16-byte copy per lane and slice, or a tensor-core fragment
+// loaded straight from it.
 struct GdrChunkedWorkspace {
-  int64_t gcum, w, u, h, h_scale, bytes;
+  int64_t gcum, keys, w, u, h, h_scale, bytes;
   int64_t max_chunks;
 };
 CLEF_HD int64_t gdr_align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
-CLEF_HD GdrChunkedWorkspace gdr_chunked_workspace(int64_t num_tokens, int batch, int num_v_heads, int head_dim,
-                                                  int elem_bytes) {
+CLEF_HD GdrChunkedWorkspace gdr_chunked_workspace(int64_t num_tokens, int batch, int num_k_heads, int num_v_heads,
+                                                  int head_dim, int elem_bytes) {
   GdrChunkedWorkspace w;
   w.max_chunks = gdr_max_chunks(num_tokens, batch);
-  const int64_t rows = num_tokens * num_v_heads;
+  const int64_t value_rows = w.max_chunks * num_v_heads * kGdrChunk;
   w.gcum = 0;
-  w.w = gdr_align256(rows * 4);
-  w.u = w.w + gdr_align256(rows * head_dim * elem_bytes);
-  w.h = w.u + gdr_align256(rows * head_dim * elem_bytes);
+  w.keys = gdr_align256(value_rows * 4);
+  w.w = w.keys + gdr_align256(w.max_chunks * num_k_heads * kGdrChunk * head_dim * elem_bytes);
+  w.u = w.w + gdr_align256(value_rows * head_dim * elem_bytes);
+  w.h = w.u + gdr_align256(value_rows * head_dim * elem_bytes);
   w.h_scale = w.h + gdr_align256(w.max_chunks * num_v_heads * head_dim * head_dim * elem_bytes);
   w.bytes = w.h_scale + gdr_align256(w.max_chunks * num_v_heads * (head_dim / 16) * 4);
   return w;
@@ -203,18 +218,38 @@ CLEF_HD constexpr GdrPrepareLayout gdr_prepare_layout(int d) {
   return l;
 }
 
-// Pass 2 (gdr_chunk_state_kernel, BV state columns): W and the keys of a chunk, the state rounded for the
-// products, the chunk's U columns, the decayed v_new columns, staging, G and the scale's reduction.
+// Pass 2's variants (GdrStateVariant) compiled for head dim d: staged at 16, 32 and 64 columns, direct at 64 and
+// 128 (what small cards need for wide CTAs); the launcher and scripts/check_archs.py compile these.
+CLEF_HD constexpr bool gdr_state_variant_compiled(int d, int columns, bool staged) {
+  return columns <= d && (staged ? (columns == 16 || columns == 32 || columns == 64) : (columns == 64 || columns == 128));
+}
+constexpr int kGdrMaxStateVariants = 5;
+struct GdrStateVariants {
+  GdrStateVariant list[kGdrMaxStateVariants];
+  int count = 0;
+};
+// Narrowest first, staged before direct.
+CLEF_HD GdrStateVariants gdr_state_variants(int d) {
+  GdrStateVariants v{};
+  for (int staged = 1; staged >= 0; --staged)
+    for (int columns = 16; columns <= 128; columns *= 2)
+      if (gdr_state_variant_compiled(d, columns, staged == 1)) v.list[v.count++] = GdrStateVariant{columns, staged == 1};
+  return v;
+}
+
+// Its shared memory: W and the keys of a chunk (staged only), the state rounded for the products, the chunk's U
+// columns (staged only), the decayed v_new columns, staging, G and the scale's reduction.
 struct GdrStateLayout {
   int w, keys, state, u, decayed, scratch, gates, reduce, bytes;
 };
-CLEF_HD constexpr GdrStateLayout gdr_state_layout(int d, int bv) {
+CLEF_HD constexpr GdrStateLayout gdr_state_layout(int d, int bv, bool staged = true) {
   GdrStateLayout l{};
+  const int rows = staged ? gdr_row_tile_bytes(kGdrChunk, d) : 0;
   l.w = 0;
-  l.keys = l.w + gdr_row_tile_bytes(kGdrChunk, d);
-  l.state = l.keys + gdr_row_tile_bytes(kGdrChunk, d);
+  l.keys = l.w + rows;
+  l.state = l.keys + rows;
   l.u = l.state + gdr_row_tile_bytes(d, bv);
-  l.decayed = l.u + gdr_row_tile_bytes(kGdrChunk, bv);
+  l.decayed = l.u + (staged ? gdr_row_tile_bytes(kGdrChunk, bv) : 0);
   l.scratch = l.decayed + gdr_row_tile_bytes(kGdrChunk, bv);
   l.gates = l.scratch + kGdrScratchBytes;
   l.reduce = l.gates + kGdrChunk * 4;
@@ -250,13 +285,47 @@ CLEF_HD int gdr_output_columns(int d, int smem_limit) {
   return 0;
 }
 
-// The state pass's columns per CTA: 32 when that gives every SM a CTA, else 16 (twice the CTAs: clef-flash's
-// one record is 32 heads x 128 / 32 = 128 CTAs, short of an H200's 132 SMs, so 256 of 16). 0: none fits.
-CLEF_HD int gdr_state_columns(int d, int num_v_heads, int batch, CudaDevice device) {
-  const bool wide_fits = d >= 32 && gdr_state_layout(d, 32).bytes <= device.smem_limit;
-  const int64_t wide_ctas = static_cast<int64_t>(d / 32) * num_v_heads * batch;
-  if (wide_fits && wide_ctas >= device.multiprocessors) return 32;
-  return gdr_state_layout(d, 16).bytes <= device.smem_limit ? 16 : (wide_fits ? 32 : 0);
+// How the state pass's CTAs of one variant sit on a device: CTAs, CTAs resident per SM and the waves they run
+// in (each CTA walks its sequence's every chunk, so a second wave repeats the whole walk).
+struct GdrStateFit {
+  int64_t blocks = 0;
+  int per_sm = 0;  // 0: the variant does not fit the device
+  int64_t waves = 0;
+};
+CLEF_HD GdrStateFit gdr_state_fit(int d, int num_v_heads, int batch, GdrStateVariant v, const CudaDevice& device) {
+  GdrStateFit fit;
+  fit.blocks = static_cast<int64_t>(d / v.columns) * num_v_heads * batch;
+  fit.per_sm = blocks_per_sm(device, kGdrChunkThreads, gdr_state_layout(d, v.columns, v.staged).bytes);
+  if (fit.per_sm > 0) {
+    const int64_t resident = static_cast<int64_t>(fit.per_sm) * (device.multiprocessors > 0 ? device.multiprocessors : 1);
+    fit.waves = (fit.blocks + resident - 1) / resident;
+  }
+  return fit;
+}
+
+// The state pass's variant, chosen by residency: the fewest waves of CTAs (a wave is every SM's resident CTAs,
+// from their shared memory, threads and registers: blocks_per_sm), then staged (its next chunk's tiles are
+// fetched during the current one) before direct, then the most CTAs (the shortest chain of work a chunk). So one
+// record fills a card in one wave wherever some variant can: clef-flash's 32 heads x 128 columns on a V100 (80
+// SMs, one 75 KB CTA each) as 64 staged CTAs of 64 columns, on a T4 (40 SMs, 64 KB) as 32 direct CTAs of 128,
+// on an H100 (132 SMs, two CTAs each) as 256 staged CTAs of 16. {0, true} when none fits.
+CLEF_HD GdrStateVariant gdr_state_variant(int d, int num_v_heads, int batch, const CudaDevice& device) {
+  const GdrStateVariants variants = gdr_state_variants(d);
+  GdrStateVariant best{0, true};
+  GdrStateFit best_fit;
+  for (int i = 0; i < variants.count; ++i) {
+    const GdrStateVariant v = variants.list[i];
+    const GdrStateFit fit = gdr_state_fit(d, num_v_heads, batch, v, device);
+    if (fit.per_sm == 0) continue;
+    const bool better = best.columns == 0 || fit.waves < best_fit.waves ||
+                        (fit.waves == best_fit.waves && v.staged && !best.staged) ||
+                        (fit.waves == best_fit.waves && v.staged == best.staged && fit.blocks > best_fit.blocks);
+    if (better) {
+      best = v;
+      best_fit = fit;
+    }
+  }
+  return best;
 }
 
 // Why the chunked kernel cannot run `p` on `device`, or nullptr when it can.
@@ -271,8 +340,14 @@ CLEF_HD const char* gdr_chunked_unsupported(const GatedDeltaRuleParams& p, Scala
   if (p.batch > kMaxGridYZ) return "the chunked kernel takes at most 65,535 sequences a call (grid.z)";
   const int d = p.head_k_dim;
   if (gdr_prepare_layout(d).bytes > device.smem_limit || gdr_output_columns(d, device.smem_limit) == 0 ||
-      gdr_state_columns(d, p.num_v_heads, p.batch, device) == 0)
+      gdr_state_variant(d, p.num_v_heads, p.batch, device).columns == 0)
     return "the chunked kernel's tiles do not fit the device's shared memory per block";
+  if (p.state_request.columns != 0) {
+    if (!gdr_state_variant_compiled(d, p.state_request.columns, p.state_request.staged))
+      return "that state-pass variant is not compiled for this head dim (gdr_state_variants)";
+    if (gdr_state_fit(d, p.num_v_heads, p.batch, p.state_request, device).per_sm == 0)
+      return "that state-pass variant's shared memory does not fit the device";
+  }
   return nullptr;
 }
 
@@ -280,12 +355,13 @@ struct GdrChoice {
   GdrKernel kernel;
   const char* error;  // a forced kernel that cannot run these params: why
   int64_t workspace_bytes = 0;
-  int state_columns = 0;
+  GdrStateVariant state{0, true};
   int output_columns = 0;
 };
 
 // The dispatch rule: the chunked kernel where it can run and sequences average kGdrChunkedMinTokens tokens or
-// more; the serial kernel otherwise (decode, fp32, Pascal, bf16 before sm_80, other head dims).
+// more; the serial kernel otherwise (decode, fp32, Pascal, bf16 before sm_80, other head dims). The chunked
+// kernel's state pass runs the variant asked for (p.state_request: tests, the self-check) or gdr_state_variant's.
 CLEF_HD GdrChoice gdr_choose(const GatedDeltaRuleParams& p, ScalarKind kind, CudaDevice device) {
   const char* why_not = gdr_chunked_unsupported(p, kind, device);
   GdrChoice choice{GdrKernel::Serial, nullptr};
@@ -299,8 +375,9 @@ CLEF_HD GdrChoice gdr_choose(const GatedDeltaRuleParams& p, ScalarKind kind, Cud
   if (choice.kernel == GdrKernel::Chunked && choice.error == nullptr) {
     const int d = p.head_k_dim;
     const int elem_bytes = kind == ScalarKind::F32 ? 4 : 2;
-    choice.workspace_bytes = gdr_chunked_workspace(p.num_tokens, p.batch, p.num_v_heads, d, elem_bytes).bytes;
-    choice.state_columns = gdr_state_columns(d, p.num_v_heads, p.batch, device);
+    choice.workspace_bytes =
+        gdr_chunked_workspace(p.num_tokens, p.batch, p.num_k_heads, p.num_v_heads, d, elem_bytes).bytes;
+    choice.state = p.state_request.columns != 0 ? p.state_request : gdr_state_variant(d, p.num_v_heads, p.batch, device);
     choice.output_columns = gdr_output_columns(d, device.smem_limit);
   }
   return choice;

@@ -14,8 +14,34 @@ static const char* launch_serial(const GatedDeltaRuleParams& p, cudaStream_t str
   return launch_error();
 }
 
-// The three passes (gated_delta_rule_chunked.cuh), each with the columns gdr_choose picked for the device.
-template <typename T, int D, int BV, int OC>
+// The state pass in one of its variants (gdr_state_variants), with cp.async (ASYNC, from sm_80) or registers.
+template <typename T, int D, int BV, bool STAGED, bool ASYNC>
+static const char* launch_state(const GatedDeltaRuleParams& p, cudaStream_t stream) {
+  if constexpr (!gdr_state_variant_compiled(D, BV, STAGED) || (ASYNC && !STAGED)) {
+    return "gated delta rule: no state pass is compiled for these columns (gdr_choose and the launcher disagree)";
+  } else {
+    auto* state = &gdr_chunk_state_kernel<T, D, BV, STAGED, ASYNC>;
+    constexpr int smem = gdr_state_layout(D, BV, STAGED).bytes;
+    if (const char* err = opt_in(state, smem)) return err;
+    CLEF_LAUNCH(state, dim3(D / BV, p.num_v_heads, static_cast<unsigned>(p.batch)), kGdrChunkThreads, smem, stream)(p);
+    return launch_error();
+  }
+}
+
+template <typename T, int D, bool STAGED, bool ASYNC>
+static const char* launch_state_columns(const GatedDeltaRuleParams& p, cudaStream_t stream) {
+  switch (p.state.columns) {
+    case 16: return launch_state<T, D, 16, STAGED, ASYNC>(p, stream);
+    case 32: return launch_state<T, D, 32, STAGED, ASYNC>(p, stream);
+    case 64: return launch_state<T, D, 64, STAGED, ASYNC>(p, stream);
+    case 128: return launch_state<T, D, 128, STAGED, ASYNC>(p, stream);
+  }
+  return "gated delta rule: no state pass is compiled for these columns (gdr_choose and the launcher disagree)";
+}
+
+// The three passes (gated_delta_rule_chunked.cuh): the state pass in the variant gdr_choose picked, its staged
+// tiles fetched with cp.async where the device has it (sm_80 on); the output pass OC columns at a time.
+template <typename T, int D, int OC>
 static const char* launch_chunked_passes(const GatedDeltaRuleParams& p, cudaStream_t stream) {
   const unsigned chunks = static_cast<unsigned>(gdr_max_chunks(p.num_tokens, p.batch));
   const unsigned heads = static_cast<unsigned>(p.num_v_heads);
@@ -26,11 +52,11 @@ static const char* launch_chunked_passes(const GatedDeltaRuleParams& p, cudaStre
   CLEF_LAUNCH(prepare, dim3(chunks, heads), kGdrChunkThreads, prepare_smem, stream)(p);
   if (const char* err = launch_error()) return err;
 
-  auto* state = &gdr_chunk_state_kernel<T, D, BV>;
-  constexpr int state_smem = gdr_state_layout(D, BV).bytes;
-  if (const char* err = opt_in(state, state_smem)) return err;
-  CLEF_LAUNCH(state, dim3(D / BV, heads, static_cast<unsigned>(p.batch)), kGdrChunkThreads, state_smem, stream)(p);
-  if (const char* err = launch_error()) return err;
+  const bool async = current_device().cc >= 80;
+  const char* err = !p.state.staged ? launch_state_columns<T, D, false, false>(p, stream)
+                    : async         ? launch_state_columns<T, D, true, true>(p, stream)
+                                    : launch_state_columns<T, D, true, false>(p, stream);
+  if (err != nullptr) return err;
 
   auto* output = &gdr_chunk_output_kernel<T, D, OC>;
   constexpr int output_smem = gdr_output_layout(D, OC).bytes;
@@ -41,19 +67,11 @@ static const char* launch_chunked_passes(const GatedDeltaRuleParams& p, cudaStre
 
 template <typename T, int D>
 static const char* launch_chunked(const GatedDeltaRuleParams& p, cudaStream_t stream) {
-  // head dim * 1000 + state columns * 10 + (output columns == head dim): the instantiations there are.
-  switch (D * 1000 + p.state_columns * 10 + (p.output_columns == D ? 1 : 0)) {
-    case 16161: return launch_chunked_passes<T, 16, 16, 16>(p, stream);
-    case 32161: return launch_chunked_passes<T, 32, 16, 32>(p, stream);
-    case 32321: return launch_chunked_passes<T, 32, 32, 32>(p, stream);
-    case 64161: return launch_chunked_passes<T, 64, 16, 64>(p, stream);
-    case 64321: return launch_chunked_passes<T, 64, 32, 64>(p, stream);
-    case 128161: return launch_chunked_passes<T, 128, 16, 128>(p, stream);
-    case 128321: return launch_chunked_passes<T, 128, 32, 128>(p, stream);
-    case 128160: return launch_chunked_passes<T, 128, 16, 64>(p, stream);
-    case 128320: return launch_chunked_passes<T, 128, 32, 64>(p, stream);
+  if (p.output_columns == D) return launch_chunked_passes<T, D, D>(p, stream);
+  if constexpr (D == 128) {
+    if (p.output_columns == D / 2) return launch_chunked_passes<T, D, D / 2>(p, stream);
   }
-  return "gated delta rule: no chunked kernel is compiled for these columns (gdr_choose and the launcher disagree)";
+  return "gated delta rule: no output pass is compiled for these columns (gdr_choose and the launcher disagree)";
 }
 
 template <typename T>
@@ -91,7 +109,8 @@ const char* gated_delta_rule_cuda(const GatedDeltaRuleParams& p, ScalarKind kind
   if (choice.kernel == GdrKernel::Chunked) {
     if (p.workspace == nullptr || p.workspace_bytes < choice.workspace_bytes)
       return "gated delta rule: the chunked kernel needs the workspace gated_delta_rule_cuda_choice sized";
-    if (p.state_columns != choice.state_columns || p.output_columns != choice.output_columns)
+    if (p.state.columns != choice.state.columns || p.state.staged != choice.state.staged ||
+        p.output_columns != choice.output_columns)
       return "gated delta rule: the chunked kernel's columns differ from gated_delta_rule_cuda_choice's";
     switch (kind) {
       case ScalarKind::F16: return launch_chunked_for_dims<__half>(p, stream);

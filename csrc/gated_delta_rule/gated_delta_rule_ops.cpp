@@ -93,15 +93,28 @@ void run_gdr(const char* op, const GatedDeltaRuleParams& p, const at::Tensor& q)
       [&] { gated_delta_rule_cpu(p, kind); });
 }
 
-GdrKernel parse_gdr_kernel(c10::string_view kernel, const char* op) {
-  if (kernel == "auto") return GdrKernel::Auto;
-  if (kernel == "serial") return GdrKernel::Serial;
-  if (kernel == "chunked") return GdrKernel::Chunked;
-  TORCH_CHECK_VALUE(false, op, ": kernel must be 'auto', 'serial' or 'chunked', got '", std::string(kernel), "'");
-  return GdrKernel::Auto;  // not reached
+// "auto", "serial", "chunked", or "chunked:<variant>" with a state-pass variant forced: "s16", "s32", "s64"
+// (staged), "d64", "d128" (direct; gdr_state_variants says which a head dim has).
+void parse_gdr_kernel(c10::string_view kernel, const char* op, GatedDeltaRuleParams& p) {
+  const std::string name(kernel);
+  p.state_request = GdrStateVariant{0, true};
+  if (name == "auto") {
+    p.kernel = GdrKernel::Auto;
+  } else if (name == "serial") {
+    p.kernel = GdrKernel::Serial;
+  } else if (name == "chunked") {
+    p.kernel = GdrKernel::Chunked;
+  } else if (name.rfind("chunked:", 0) == 0 && name.size() > 9 && (name[8] == 's' || name[8] == 'd') &&
+             name.find_first_not_of("0123456789", 9) == std::string::npos && name.size() <= 12) {
+    p.kernel = GdrKernel::Chunked;
+    p.state_request = GdrStateVariant{std::stoi(name.substr(9)), name[8] == 's'};
+  } else {
+    TORCH_CHECK_VALUE(false, op, ": kernel must be 'auto', 'serial' or 'chunked' (or 'chunked:s32' and the like, ",
+                      "a state-pass variant), got '", name, "'");
+  }
 }
 
-const char* gdr_kernel_name(GdrKernel kernel) {
+std::string gdr_kernel_name(GdrKernel kernel) {
   switch (kernel) {
     case GdrKernel::Auto: return "auto";
     case GdrKernel::Serial: return "serial";
@@ -109,6 +122,9 @@ const char* gdr_kernel_name(GdrKernel kernel) {
   }
   return "?";
 }
+
+// "s32", "d128": a state-pass variant's name (the kernel strings' suffix).
+std::string gdr_variant_name(GdrStateVariant v) { return (v.staged ? "s" : "d") + std::to_string(v.columns); }
 
 // The kernel the CUDA launcher will run for p on q's device; a forced one that cannot run p raises ValueError
 // saying why (before any launch).
@@ -119,6 +135,7 @@ GdrChoice checked_cuda_choice(const GatedDeltaRuleParams& p, const at::Tensor& q
 #endif
   const GdrChoice choice = gated_delta_rule_cuda_choice(p, activation_kind(q, op, "q"));
   TORCH_CHECK_VALUE(choice.error == nullptr, op, ": kernel='", gdr_kernel_name(choice.kernel),
+                    p.state_request.columns != 0 ? ":" + gdr_variant_name(p.state_request) : std::string(),
                     "' cannot run these arguments: ", choice.error);
   return choice;
 #else
@@ -140,7 +157,7 @@ void gated_delta_rule_chunk(const at::Tensor& q, const at::Tensor& k, const at::
   check_pack(cu_seqlens, has_initial_state, state_indices.size(0), q.size(0), q, op);
   p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();
   p.has_initial_state = has_initial_state.data_ptr<bool>();
-  p.kernel = parse_gdr_kernel(kernel, op);
+  parse_gdr_kernel(kernel, op, p);
   TORCH_CHECK_VALUE(p.kernel == GdrKernel::Auto || runs_cuda_launcher(q), op, ": kernel='", std::string(kernel),
                     "' picks a CUDA kernel, but ", q.device(), " tensors run the CPU implementation (pass kernel='auto')");
   // The chunked kernel's workspace, allocated here so the launcher stays torch-free. Freed when this returns:
@@ -152,16 +169,17 @@ void gated_delta_rule_chunk(const at::Tensor& q, const at::Tensor& k, const at::
       workspace = at::empty({choice.workspace_bytes}, q.options().dtype(at::kByte));
       p.workspace = workspace.data_ptr();
       p.workspace_bytes = choice.workspace_bytes;
-      p.state_columns = choice.state_columns;
+      p.state = choice.state;
       p.output_columns = choice.output_columns;
     }
   }
   run_gdr(op, p, q);
 }
 
-std::string gated_delta_rule_dispatch(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cu_seqlens,
-                                      c10::string_view kernel) {
-  const char* op = "gated_delta_rule_dispatch";
+namespace {
+// The CUDA launcher's choice for a pack of these tensors ("cpu" when they run the CPU implementation).
+std::string gdr_dispatch(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                         c10::string_view kernel, const char* op, bool variant) {
   check_dim(q, 3, op, "q", "[num_tokens, num_k_heads, head_k_dim]");
   check_dim(v, 3, op, "v", "[num_tokens, num_v_heads, head_v_dim]");
   check_dim(cu_seqlens, 1, op, "cu_seqlens", "[batch + 1]");
@@ -175,13 +193,27 @@ std::string gated_delta_rule_dispatch(const at::Tensor& q, const at::Tensor& v, 
   p.head_k_dim = checked_int32(q.size(2), op, "head_k_dim");
   p.head_v_dim = checked_int32(v.size(2), op, "head_v_dim");
   p.cu_seqlens = cu_seqlens.data_ptr<int32_t>();  // the rule asks only whether there is one, never reads it
-  p.kernel = parse_gdr_kernel(kernel, op);
+  parse_gdr_kernel(kernel, op, p);
   if (!runs_cuda_launcher(q)) {
     TORCH_CHECK_VALUE(p.kernel == GdrKernel::Auto, op, ": kernel='", std::string(kernel), "' picks a CUDA kernel, but ",
                       q.device(), " tensors run the CPU implementation");
     return "cpu";
   }
-  return gdr_kernel_name(checked_cuda_choice(p, q, op).kernel);
+  const GdrChoice choice = checked_cuda_choice(p, q, op);
+  std::string name = gdr_kernel_name(choice.kernel);
+  if (variant && choice.kernel == GdrKernel::Chunked) name += ":" + gdr_variant_name(choice.state);
+  return name;
+}
+}  // namespace
+
+std::string gated_delta_rule_dispatch(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                      c10::string_view kernel) {
+  return gdr_dispatch(q, v, cu_seqlens, kernel, "gated_delta_rule_dispatch", false);
+}
+
+std::string gated_delta_rule_variant(const at::Tensor& q, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                     c10::string_view kernel) {
+  return gdr_dispatch(q, v, cu_seqlens, kernel, "gated_delta_rule_variant", true);
 }
 
 void gated_delta_rule_recurrent(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
