@@ -4,7 +4,7 @@ Backends: ``cpu-avx512``, ``cpu-avx2``, ``cpu-baseline`` (clef_cuda._C on CPU te
 variant this machine can run: an AVX-512 machine tests the AVX2 code too), ``cuda`` (clef_cuda._C on the
 GPU, where one exists and the extension was built with CUDA) and ``sim`` (the same CUDA kernels and
 launchers, run on the CPU by the test-only simulator in tests/cuda_sim; small shapes only, every CUDA
-thread is an OS thread). ``backend.kind`` is "cpu", "cuda" or "sim", for shape tables.
+thread a fiber on one core). ``backend.kind`` is "cpu", "cuda" or "sim", for shape tables.
 """
 
 from __future__ import annotations
@@ -98,19 +98,24 @@ def simulated(
     block_order: str | None = None,
     multiprocessors: int | None = None,
     fault_band: tuple[int, int] | None = None,
+    finite_check: bool | None = None,
 ):
     """The simulator's device set to a compute capability (and SM count), with a test-only fault on (a band fault:
     over channels fault_band = [lo, hi)), and/or running a grid's blocks in another order ("first-last"; the
-    default "last-first"), then restored."""
+    default "last-first"); finite_check=False: the kernels' CLEF_CHECK_FINITE points off (judged only by what a
+    GPU would show); then restored."""
     sim = torch.ops.clef_sim
     saved_cc = sim.set_compute_capability(compute_capability) if compute_capability else None
     saved_sms = sim.set_multiprocessor_count(multiprocessors) if multiprocessors else None
     saved_fault = sim.set_fault(fault) if fault else None
     saved_order = sim.set_block_order(block_order) if block_order else None
     saved_band = sim.set_fault_band(*fault_band) if fault_band else None
+    saved_finite = sim.set_finite_check(finite_check) if finite_check is not None else None
     try:
         yield
     finally:
+        if saved_finite is not None:
+            sim.set_finite_check(saved_finite)
         if saved_band is not None:
             sim.set_fault_band(*saved_band)
         if saved_cc is not None:

@@ -230,6 +230,34 @@ def mid_release() -> Path:
     return build_release(Path(tempfile.mkdtemp(prefix="clef-mid-")) / "release")
 
 
+# clef-flash's per-head shapes with few heads: the delta net's 2 value heads a key head x 128, attention's GQA 4 x 256
+# and its rotary quarter, at a hidden size the CUDA simulator runs a whole self-check on in seconds (the kernels
+# take the variants, tiles and tensor-core paths they take at clef-flash's shapes; benchmarks/selfcheck_power.py).
+FLASH_HEADS_TEXT = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    initializer_range=0.05,
+)
+FLASH_HEADS_HEAD = {"hidden_size": 256, "width": 64, "routing_layers": 1, "layers": 1, "heads": 4, "feedforward": 96}
+
+
+@functools.cache
+def flash_heads_release() -> Path:
+    return build_release(
+        Path(tempfile.mkdtemp(prefix="clef-flash-heads-")) / "release", text=FLASH_HEADS_TEXT, head=FLASH_HEADS_HEAD
+    )
+
+
 # head_dim 64 with Qwen3.5's default M-RoPE sections: 8 rotary frequencies, so every one of the T, H and W
 # axes turns some of them (the upstream tiny release's 2 never see W).
 VISION_TEXT = dict(

@@ -102,23 +102,27 @@ def test_the_cuda_kernels_pass_in_the_simulator(sim_ops):
 
 @pytest.mark.parametrize("cc", [70, 75], ids=["V100", "T4"])
 def test_the_attention_checks_guard_the_tensor_core_kernel(sim_ops, cc):
+    cases = ("prefix+chunk", "prefill", "decode")
     """At clef-flash's attention shapes (16 / 4 heads x 256) in f16 on a simulated V100 and T4 (its 64 KB
-    tile), the self-check's
-    attention group runs the tensor-core kernel for its mixed pack and the SIMT kernel for its decode pack:
-    it passes, and with the tensor-core kernel's causal mask skipped (a test-only fault) exactly the checks
-    that kernel served with more than one new token fail. (The test releases' head dim is 32, which the
-    tensor-core kernel does not tile, so the group runs on a stand-in trunk with clef-flash's shapes.)"""
+    tile), the self-check's attention group runs the dispatch rule's kernels (the tensor-core one for its mixed
+    pack, the SIMT one for its decode pack) and then each kernel the autotune may choose, forced: it passes, and
+    with the tensor-core kernel's causal mask skipped (a test-only fault) exactly the checks that kernel served
+    with more than one new token fail, under the rule and forced. (The test releases' head dim is 32, which the
+    tensor-core kernels do not tile, so the group runs on a stand-in trunk with clef-flash's shapes.)"""
     flash = SimpleNamespace(num_attention_heads=16, num_key_value_heads=4, head_dim=256)
 
     def failing() -> set[str]:
         checks = _SelfCheck(sim_ops, flash, torch.float16, torch.device("cpu"), 16, 0).paged_attention()
-        assert {c.name for c in checks} >= {"paged_attention.prefix+chunk", "paged_attention.decode_pack"}
+        names = {c.name for c in checks}
+        assert names >= {"paged_attention.prefix+chunk", "paged_attention.decode_pack"}
+        assert names >= {f"paged_attention.{k}.{case}" for k in ("simt", "wmma", "wmma2") for case in cases}
         return {c.name for c in checks if not c.passed}
 
     with simulated(compute_capability=cc):
         assert failing() == set()
         with simulated(fault="wmma_skip_causal_mask"):
-            assert failing() == {"paged_attention.prefix+chunk", "paged_attention.prefill"}
+            served = ("paged_attention", "paged_attention.wmma")
+            assert failing() == {f"{kernel}.{case}" for kernel in served for case in ("prefix+chunk", "prefill")}
 
 
 # ---- injected faults -------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import DEFAULT_INT8_BY_ROWS, INT8_FUSED_MAX_ROWS, ChunkBatch, SequenceChunk, Trunk
 from clef_cuda.sdpa import SDPA_BACKENDS, paged_attention_sdpa
 from clef_cuda.serving.guarded_ops import GuardedOps
-from clef_cuda.serving.selfcheck import OP_RTOL, within
+from clef_cuda.serving.selfcheck import OP_RTOL, delta_rule_gates, within
 
 log = logging.getLogger("clef_cuda.serving.autotune")
 
@@ -196,6 +196,23 @@ def candidate_kernel(candidate: str) -> str:
     return f"paged_attention:{FORCED_KERNELS.get(candidate, candidate)}"
 
 
+def runs_cuda_kernels(target: TuneTarget) -> bool:
+    """Whether the target's op library runs our CUDA kernels (a GPU; or the test-suite's simulator, which runs them on
+    CPU tensors): asked of the library itself, which answers "cpu" for its CPU implementation."""
+    if target.device.type == "cuda":
+        return True
+    dispatch = getattr(target.ops, "gated_delta_rule_dispatch", None)
+    if dispatch is None:
+        return False
+    c = target.config
+    q = torch.empty(1, c.linear_num_key_heads, c.linear_key_head_dim, dtype=target.dtype)
+    v = torch.empty(1, c.linear_num_value_heads, c.linear_value_head_dim, dtype=target.dtype)
+    try:
+        return dispatch(q, v, torch.tensor([0, 1], dtype=torch.int32)) != "cpu"
+    except (ValueError, TypeError, RuntimeError):  # a head dim the CUDA kernels do not take: the CPU's
+        return False
+
+
 def attention_candidates(target: TuneTarget | Trunk) -> dict[str, AttentionImpl]:
     """Name -> implementation; the forced kernels first, so that a kernel which fails its trial is known
     before ours (the dispatch rule) would pick it. Ours runs on the target's own op library."""
@@ -203,10 +220,11 @@ def attention_candidates(target: TuneTarget | Trunk) -> dict[str, AttentionImpl]
         target = TuneTarget(target.ops, target.config, target.device, target.dtype)
     library = target.ops
     candidates: dict[str, AttentionImpl] = {}
-    if target.device.type == "cuda":
+    if runs_cuda_kernels(target):
         candidates |= {name: _ours(library, kernel) for name, kernel in FORCED_KERNELS.items()}
         candidates["ours"] = _ours(library, "auto")
-        candidates |= {name: _sdpa(name) for name in SDPA_BACKENDS}
+        sdpa = SDPA_BACKENDS if target.device.type == "cuda" else CPU_SDPA
+        candidates |= {name: _sdpa(name) for name in sdpa}
     else:
         candidates["ours"] = _ours(library, "auto")
         candidates |= {name: _sdpa(name) for name in CPU_SDPA}
@@ -402,8 +420,13 @@ def tune_attention(
             report.rows.append(Row("paged_attention", bucket.name, "ours", None, why))
             continue
         case = _AttentionCase.of(target, bucket, block_size, generator)
-        with trial(candidate_kernel("ours")):
-            ours = case.run(eligible["ours"])
+        try:
+            with trial(candidate_kernel("ours")):
+                ours = case.run(eligible["ours"])
+        except Exception as error:  # ours cannot run this bucket's shape: nothing to check the others against
+            choices[bucket.name] = "ours"
+            report.rows.append(Row("paged_attention", bucket.name, "ours", None, _raised(error)))
+            continue
         timings: dict[str, float] = {}
         for name, impl in eligible.items():
             try:
@@ -478,8 +501,8 @@ def _delta_rule_inputs(target: TuneTarget, records: int, tokens: int, generator)
     q = mixed[:, : hk * dk].view(n, hk, dk)
     k = mixed[:, hk * dk : 2 * hk * dk].view(n, hk, dk)
     v = mixed[:, 2 * hk * dk :].view(n, hv, dv)
-    g = (-3.0 * torch.rand(n, hv, generator=generator)).to(device)
-    beta = torch.rand(n, hv, generator=generator).to(device)
+    g, beta = delta_rule_gates((tokens,) * records, hv, generator)  # the self-check's: every row carries weight
+    g, beta = g.to(device), beta.to(device)
     states = (0.3 * torch.randn(records, hv, dk, dv, generator=generator)).to(device)
     cu = torch.arange(0, n + 1, tokens, dtype=torch.int32, device=device)
     slots = torch.arange(records, dtype=torch.int32, device=device)
@@ -497,7 +520,9 @@ def tune_delta_rule(target: TuneTarget, config, mode: str, report: AutotuneRepor
     op = "gated_delta_rule_chunk"
     check = _SelfCheck(target.ops, target.config, target.dtype, target.device, 16, 0)
     failures = getattr(target.ops, "failed", {}) | report.failures
-    candidates = [k for k in check.delta_rule_kernels() if k in DELTA_RULE_KERNELS and f"{op}:{k}" not in failures]
+    # The kernels, not the chunked one's variants (the self-check proves each): "chunked" runs the rule's.
+    kernels = {k.split(":")[0] for k in check.delta_rule_kernels()}
+    candidates = [k for k in DELTA_RULE_KERNELS if k in kernels and f"{op}:{k}" not in failures]
     if len(candidates) < 2:  # nothing to choose between
         return
     eligible = []

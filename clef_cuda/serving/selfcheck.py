@@ -56,7 +56,7 @@ Tensor = torch.Tensor
 # largest value at most (f16 2^-10 = 9.8e-4, bf16 2^-7 = 7.8e-3); rtol allows 2 ulps, so a 1% error is
 # caught in f16 and, in bf16 (whose own rounding is 0.8%), one of about 2%. In fp32 only the order of the
 # sums differs (~1e-6 relative at these lengths); rtol allows 1e-5. The delta-rule states are fp32 in
-# every serving dtype and leave 70 steps of the recurrence (the op) against the chunked form (the
+# every serving dtype and leave 150 steps of the recurrence (the op) against the chunked form (the
 # reference): STATE_RTOL. The chunked CUDA kernel's states are fp32 too but sum products of operands rounded
 # once to the serving dtype (normalised keys, the decayed deltas): its states get the op's rtol. A layer check
 # passes the op outputs through the layer's own roundings (norms, gates, the projections in the serving
@@ -69,9 +69,41 @@ LAYER_FACTOR = 2.0
 # Sequence lengths: one longer than the reference's 64-token delta-rule chunk, a single token (the
 # smallest pack entry) and a short one; prefix, chunk and decode lengths for attention.
 PACK_LENGTHS = (70, 1, 5)
-CHUNKED_PACK_LENGTHS = (150, 1, 70)  # the chunked delta rule: 3 chunks (a tail), one token, 2 chunks
-ATTENTION_PREFIX, ATTENTION_CHUNK, ATTENTION_FRESH, ATTENTION_DECODE_CONTEXT = 37, 13, 20, 40
+# The delta rule's chunk op, every kernel and variant on one pack: 3 chunks (a tail), one token, 2 chunks (a tail).
+CHUNKED_PACK_LENGTHS = (150, 1, 70)
+ATTENTION_PREFIX, ATTENTION_CHUNK, ATTENTION_FRESH, ATTENTION_DECODE_CONTEXT = 300, 13, 20, 40
+# The paged-attention kernels a GPU may run besides the dispatch rule's picks (the autotune chooses among them).
+ATTENTION_KERNELS = ("simt", "wmma", "wmma2")
 LAYER_STEPS = ((70, 5), (9, 1))  # two prefill steps of two sequences: the second continues the first
+# The chunked delta rule's state-pass variant follows a pack's sequences (csrc/gated_delta_rule/gated_delta_rule.h
+# gdr_state_variant): the self-check proves every variant the device picks for a pack of up to this many.
+MAX_PACK_SEQUENCES = 256
+
+# The delta rule's log gates, by (sequence, value head): real layers decay at -exp(A_log) softplus(a + dt_bias),
+# from near 0 to a few units a token. Fast decays alone (-3 x rand) leave a 64-token chunk's later rows moved by
+# their last few tokens only: a kernel that drops all but the first 16 rows of W, or the P tiles far from the
+# diagonal, stays within tolerance there (5e-4 against 2e-3 in f16) and fails by 10-40% with slow ones. So each
+# (sequence, head) gets one regime in turn, every head a slow one in some long sequence: near 0 (the whole
+# chunk and the state carried whole), slow, and fast. Betas mix 0-ish, 1-ish and uniform draws token by token.
+DELTA_RULE_GATES = (1e-3, 0.05, 3.0)  # g = -scale x U(0, 1)
+
+
+def delta_rule_gates(lengths: tuple[int, ...], heads: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """(g [N, heads], beta [N, heads]) fp32 on the CPU for a pack of `lengths`: sequence b's head h decays at
+    DELTA_RULE_GATES[(b + h) % 3]; beta per token near 0, near 1 or uniform. The self-check's and the autotune's
+    delta-rule cases (clef_cuda.serving.autotune) draw from this."""
+    n = sum(lengths)
+    g = torch.empty(n, heads)
+    start = 0
+    for b, length in enumerate(lengths):
+        for h in range(heads):
+            scale = DELTA_RULE_GATES[(b + h) % len(DELTA_RULE_GATES)]
+            g[start : start + length, h] = -scale * torch.rand(length, generator=generator)
+        start += length
+    kind = torch.randint(0, 3, (n, heads), generator=generator)
+    u = torch.rand(n, heads, generator=generator)
+    beta = torch.where(kind == 0, 0.02 * u, torch.where(kind == 1, 1.0 - 0.02 * u, u))
+    return g, beta
 
 
 @dataclass(frozen=True)
@@ -227,8 +259,12 @@ def op_trial_units(target, block_size: int, quantized: bool, seed: int = 0) -> l
     ]
     if quantized:
         units.append(("dequantize_int8", check.dequantize))
+    # A chunked variant's trial is the chunked kernel's: one that fails steers the op off every variant.
     delta_rule = [
-        (f"gated_delta_rule_chunk:{where if kernel == 'auto' else kernel}", functools.partial(check.gdr_chunk, kernel))
+        (
+            f"gated_delta_rule_chunk:{where if kernel == 'auto' else kernel.split(':')[0]}",
+            functools.partial(check.gdr_chunk, kernel),
+        )
         for kernel in check.delta_rule_kernels()
     ]
     return [(f"{op}:{where}", run) for op, run in units] + delta_rule
@@ -240,6 +276,7 @@ class _SelfCheck:
         self.dtype, self.device, self.block_size = dtype, device, block_size
         self.rtol = OP_RTOL.get(self.dtype, OP_RTOL[torch.bfloat16])
         self.generator = torch.Generator().manual_seed(seed)
+        self._delta_rule_case: dict | None = None
 
     @classmethod
     def of(cls, trunk: Trunk, block_size: int = 16, seed: int = 0) -> _SelfCheck:
@@ -348,8 +385,10 @@ class _SelfCheck:
             self.compare("causal_conv1d_update.conv_states", states, expected_states, self.rtol),
         ]
 
-    # ---- gated delta rule --------------------------------------------------------------------------
-    def delta_rule_inputs(self, n: int) -> tuple[Tensor, ...]:
+    # ---- gated delta rule ----------------------------------------------------------------------------
+    def delta_rule_inputs(self, lengths: tuple[int, ...]) -> tuple[Tensor, ...]:
+        """q, k, v, g, beta for a pack of `lengths` at the model's delta-net shapes, drawn so that every row, tile,
+        chunk position, sequence and head of a kernel carries weight (DELTA_RULE_GATES, DELTA_RULE_BETAS)."""
         c = self.config
         hk, hv, dk, dv = (
             c.linear_num_key_heads,
@@ -357,14 +396,13 @@ class _SelfCheck:
             c.linear_key_head_dim,
             c.linear_value_head_dim,
         )
+        n = sum(lengths)
         mixed = self.randn(n, c.conv_dim)  # q | k | v bands of one conv output, viewed as the trunk does
         q = mixed[:, : c.key_dim].view(n, hk, dk)
         k = mixed[:, c.key_dim : 2 * c.key_dim].view(n, hk, dk)
         v = mixed[:, 2 * c.key_dim :].view(n, hv, dv)
-        # Log decays over the range real layers produce (-exp(A_log) softplus(a + dt_bias)), in fp32.
-        g = -torch.rand(n, hv, generator=self.generator).mul(3.0).to(self.device)
-        beta = torch.rand(n, hv, generator=self.generator).to(self.device)
-        return q, k, v, g, beta
+        g, beta = delta_rule_gates(lengths, hv, self.generator)
+        return q, k, v, g.to(self.device), beta.to(self.device)
 
     def gdr_states(self, *poisoned_slots: int) -> Tensor:
         c = self.config
@@ -373,45 +411,70 @@ class _SelfCheck:
 
     def delta_rule_kernels(self) -> list[str]:
         """The chunk op's kernels to prove here: each CUDA kernel the op library runs for the model's shapes and
-        dtype on this device that has not failed its trial ("serial"; "chunked" from sm_70 in f16, sm_80 in
-        bf16); on the CPU, which has one implementation, "auto"."""
+        dtype on this device that has not failed its trial: "serial", and the chunked kernel in each state-pass
+        variant it picks for a pack of 1 to MAX_PACK_SEQUENCES sequences ("chunked:s64", "chunked:d128", ...:
+        the variant follows the device's residency, so one card runs several; from sm_70 in f16, sm_80 in bf16);
+        on the CPU, which has one implementation, "auto"."""
         c, failed = self.config, getattr(self.ops, "failed", {})
         q = torch.empty(64, c.linear_num_key_heads, c.linear_key_head_dim, dtype=self.dtype, device=self.device)
         v = torch.empty(64, c.linear_num_value_heads, c.linear_value_head_dim, dtype=self.dtype, device=self.device)
+        cu = torch.zeros(MAX_PACK_SEQUENCES + 1, dtype=torch.int32, device=self.device)  # the rule never reads it
         kernels = []
         for kernel in ("serial", "chunked"):
             if f"gated_delta_rule_chunk:{kernel}" in failed:
                 continue
             try:
-                self.ops.gated_delta_rule_dispatch(q, v, self.cu_seqlens([64]), kernel)
+                if kernel == "serial":
+                    self.ops.gated_delta_rule_dispatch(q, v, cu[:2], kernel)
+                    kernels.append(kernel)
+                    continue
+                for batch in range(1, MAX_PACK_SEQUENCES + 1):
+                    variant = self.ops.gated_delta_rule_variant(q, v, cu[: batch + 1], kernel)
+                    if variant not in kernels:
+                        kernels.append(variant)
             except ValueError:  # the CPU, or a device or dtype without this kernel (Pascal, bf16 before sm_80)
                 continue
-            kernels.append(kernel)
         return kernels or ["auto"]
 
     @staticmethod
     def gdr_chunk_name(kernel: str) -> str:
-        return "gated_delta_rule_chunk" if kernel in ("auto", "serial") else f"gated_delta_rule_chunk.{kernel}"
+        """'gated_delta_rule_chunk' for the serial kernel (or the CPU's), 'gated_delta_rule_chunk.chunked.s64'
+        for a chunked variant."""
+        if kernel in ("auto", "serial"):
+            return "gated_delta_rule_chunk"
+        return "gated_delta_rule_chunk." + kernel.replace(":", ".")
+
+    def delta_rule_case(self) -> dict:
+        """The chunk op's case, drawn once and shared by every kernel and variant checked (one reference run): a
+        pack of CHUNKED_PACK_LENGTHS, slot 2 starting fresh (not read), slot 1 nobody's (not written)."""
+        if self._delta_rule_case is None:
+            lengths = CHUNKED_PACK_LENGTHS
+            q, k, v, g, beta = self.delta_rule_inputs(lengths)
+            states = self.gdr_states(1, 2)
+            cu, slots = self.cu_seqlens(lengths), self.ints([3, 2, 0])
+            initial = self.ints([True, False, True], torch.bool)
+            args = (q, k, v, g, beta, states, cu, slots, initial)
+            expected_states = states.clone()
+            expected = reference.gated_delta_rule_chunk(q, k, v, g, beta, expected_states, cu, slots, initial)
+            self._delta_rule_case = dict(args=args, expected=expected, expected_states=expected_states)
+        return self._delta_rule_case
 
     def gdr_chunk(self, kernel: str = "auto") -> list[Check]:
-        chunked = kernel == "chunked"
-        lengths = CHUNKED_PACK_LENGTHS if chunked else PACK_LENGTHS
-        q, k, v, g, beta = self.delta_rule_inputs(sum(lengths))
-        states = self.gdr_states(1, 2)  # slot 2 starts fresh (not read), slot 1 is nobody's (not written)
-        expected_states = states.clone()
-        cu, slots = self.cu_seqlens(lengths), self.ints([3, 2, 0])
-        initial = self.ints([True, False, True], torch.bool)
+        case = self.delta_rule_case()
+        q, k, v, g, beta, states, cu, slots, initial = case["args"]
+        states = states.clone()
         out = torch.full(v.shape, float("nan"), dtype=self.dtype, device=self.device)
         self.ops.gated_delta_rule_chunk(q, k, v, g, beta, states, cu, slots, initial, out=out, kernel=kernel)
-        expected = reference.gated_delta_rule_chunk(q, k, v, g, beta, expected_states, cu, slots, initial)
         name = self.gdr_chunk_name(kernel)
+        # The chunked kernel's states are fp32 too but sum products of operands rounded once to the serving dtype.
+        state_rtol = self.rtol if kernel.startswith("chunked") else STATE_RTOL
         return [
-            self.compare(name, out, expected, self.rtol),
-            self.compare(f"{name}.states", states, expected_states, self.rtol if chunked else STATE_RTOL),
+            self.compare(name, out, case["expected"], self.rtol),
+            self.compare(f"{name}.states", states, case["expected_states"], state_rtol),
         ]
 
     def gdr_recurrent(self) -> list[Check]:
-        q, k, v, g, beta = self.delta_rule_inputs(3)
+        q, k, v, g, beta = self.delta_rule_inputs((1, 1, 1))
         states = self.gdr_states(2)
         expected_states = states.clone()
         slots = self.ints([1, 3, 0])
@@ -468,16 +531,38 @@ class _SelfCheck:
             new_tokens=new_tokens,
         )
 
-    def paged_attention(self) -> list[Check]:
-        """Three sequences in one pack: a new chunk after a cached prefix, a fresh prefill, one decode
-        token; then the first and last again as a pack of one decode token each. Their blocks are
-        scattered through a pool whose other blocks (and the unused tails of partly filled ones) are NaN:
-        reading anything outside a context fails the check.
+    def attention_kernels(self, args: tuple) -> list[str]:
+        """The paged-attention kernels to prove on this device for the mixed pack `args`: "auto" (the dispatch
+        rule's picks, what a server without the autotune runs), then on a GPU each kernel the autotune may choose
+        that can run them and has not failed its trial (the SIMT one; the tensor-core v1 and v2 from sm_70 in
+        f16, sm_80 in bf16)."""
+        if not hasattr(self.ops, "paged_attention_dispatch") or self.ops.paged_attention_dispatch(*args) == "cpu":
+            return ["auto"]  # the CPU's one implementation (or the reference, a test's stand-in)
+        failed = getattr(self.ops, "failed", {})
+        kernels = ["auto"]
+        for kernel in ATTENTION_KERNELS:
+            if f"paged_attention:{kernel}" in failed:
+                continue
+            try:
+                self.ops.paged_attention_dispatch(*args, kernel=kernel)
+            except ValueError:  # the CPU, or a device or dtype without it (no tensor cores, bf16 before sm_80)
+                continue
+            kernels.append(kernel)
+        return kernels
 
-        On a GPU the two packs reach both CUDA kernels, as serving does: the first averages at least 16
-        query rows (tokens x query heads per KV head) per sequence at clef-flash's GQA 4, so in f16 (bf16
-        from sm_80) at head dims 64/128/256 it runs the tensor-core kernel; the decode pack runs the SIMT
-        kernel, as a step of one-token final chunks does (ops.paged_attention_dispatch has the rule)."""
+    def paged_attention(self) -> list[Check]:
+        """Three sequences in one pack: a new chunk after a long cached prefix, a fresh prefill, one decode
+        token; then the first and last again as a pack of one decode token each. Their blocks are scattered
+        through a pool whose other blocks (and the unused tails of partly filled ones) are NaN: reading anything
+        outside a context fails the check.
+
+        On a GPU the pack runs through the dispatch rule ("auto"), as serving without the autotune does: it
+        averages at least 16 query rows (tokens x query heads per KV head) per sequence at clef-flash's GQA 4, so
+        in f16 (bf16 from sm_80) at head dims 64/128/256 the tensor-core kernel; the decode pack runs the SIMT
+        kernel (ops.paged_attention_dispatch has the rule). Then through each kernel the autotune may choose,
+        forced (attention_kernels), named "paged_attention.<kernel>.<case>": the 13-token chunk fills every warp's
+        rows of a tensor-core tile at GQA 4 (v1's 4 warps, v2's 4 pairs), and the 300-token prefix makes v2 split
+        its keys into parts and combine them on any device (few CTAs, a long context)."""
         written, cache = self.cache_write()
         checks = [written]
         key_cache, value_cache = cache["key_cache"], cache["value_cache"]
@@ -487,16 +572,17 @@ class _SelfCheck:
 
         query = self.randn(sum(new_tokens), hq, d)
         cu, lengths = self.cu_seqlens(new_tokens), self.ints(list(contexts))
-        out = torch.full(query.shape, float("nan"), dtype=self.dtype, device=self.device)
-        self.ops.paged_attention(
-            query, key_cache, value_cache, cu, lengths, block_tables, out=out, max_query_len=max(new_tokens)
-        )
+        args = (query, key_cache, value_cache, cu, lengths, block_tables)
         expected = reference.paged_attention(query, expected_keys, expected_values, cu, lengths, block_tables)
-        start = 0
-        for case, count in zip(("prefix+chunk", "prefill", "decode"), new_tokens, strict=True):
-            rows = slice(start, start + count)
-            checks.append(self.compare(f"paged_attention.{case}", out[rows], expected[rows], self.rtol))
-            start += count
+        for kernel in self.attention_kernels(args):
+            out = torch.full(query.shape, float("nan"), dtype=self.dtype, device=self.device)
+            self.ops.paged_attention(*args, out=out, max_query_len=max(new_tokens), kernel=kernel)
+            prefix = "paged_attention." if kernel == "auto" else f"paged_attention.{kernel}."
+            start = 0
+            for case, count in zip(("prefix+chunk", "prefill", "decode"), new_tokens, strict=True):
+                rows = slice(start, start + count)
+                checks.append(self.compare(prefix + case, out[rows], expected[rows], self.rtol))
+                start += count
 
         # The last position of sequences 0 and 2 as one-token sequences (their whole context is cached).
         decode_query = query[[ATTENTION_CHUNK - 1, sum(new_tokens) - 1]]
@@ -568,7 +654,14 @@ class _SelfCheck:
             query_gate[..., :d], q_scale, cos, sin, eps, out=self.nan(n, c.num_attention_heads, d)
         )
         expected = reference.rms_norm_rope(query_gate[..., :d], q_scale, cos, sin, eps)
-        return [self.compare("glue.rms_norm_rope", out, expected, self.rtol)]
+        # In place too, as the op allows (out = x: each element read before it is written) for the k heads.
+        keys = self.randn(n, c.num_key_value_heads, d)
+        expected_keys = reference.rms_norm_rope(keys.clone(), q_scale, cos, sin, eps)
+        self.ops.rms_norm_rope(keys, q_scale, cos, sin, eps, out=keys)
+        return [
+            self.compare("glue.rms_norm_rope", out, expected, self.rtol),
+            self.compare("glue.rms_norm_rope.in_place", keys, expected_keys, self.rtol),
+        ]
 
     def glue_sigmoid_gate(self) -> list[Check]:
         c, n, d = self.config, sum(PACK_LENGTHS), self.config.head_dim

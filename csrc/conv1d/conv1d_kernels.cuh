@@ -28,7 +28,10 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_fwd_kernel(Conv1dParams p
   T* out = static_cast<T*>(p.out);
   for (int t = t0; t < t_end; ++t) {
     window[W - 1] = conv_input<T>(p, s, t, c);
-    out[conv_out_offset(s.start + t, c, p.channels)] = from_f32<T>(conv_output(window, p, c));
+    const float y = conv_output(window, p, c);
+    // (The fault: a band of channels, which the test names, zeroed: the seed's V100 build zeroed the key band.)
+    out[conv_out_offset(s.start + t, c, p.channels)] =
+        from_f32<T>(CLEF_FAULT(conv_channel_band_zeroed, y, CLEF_FAULT_BAND_CONTAINS(c) ? 0.0f : y));
 #pragma unroll
     for (int j = 0; j < W - 1; ++j) window[j] = window[j + 1];
   }

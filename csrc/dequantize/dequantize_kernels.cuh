@@ -105,7 +105,8 @@ __global__ void __launch_bounds__(kInt8LinearThreads) int8_linear_kernel(Int8Lin
   }
   const int64_t n = n0 + n_local;
   if (n >= p.out_features) return;
-  const float scale = p.scale[n];
+  // (The fault: the second column tile's outputs all scaled by its first column's scale.)
+  const float scale = p.scale[CLEF_FAULT(int8_linear_column_tile_wrong_scale, n, blockIdx.x == 1 ? n0 : n)];
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int i = 0; i < kInt8LinearRowsPerThread; ++i) {

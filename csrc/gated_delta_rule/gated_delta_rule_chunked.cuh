@@ -670,7 +670,10 @@ __device__ __forceinline__ void output(const GatedDeltaRuleParams& p) {
   stage_normalized_rows<T, D, LDK>(q_s, static_cast<const T*>(p.q) + gdr_q_offset(t0, hk, p), p.q_token_stride, n,
                                    p.l2norm_qk, p.scale);
   stage_rows<T, C, D, LDK>(k_s, ws.key_rows(chunk_index, hk), D, C);
-  if (tid < C) g_s[tid] = ws.gates(chunk_index, hv)[tid];  // past the last token: its G
+  // Past the last token: its G. (The fault: 0 there, as this pass once read it: e^(0 - G_s) overflows into P's
+  // rows past the last token, 0 x inf; rows never written out, so only the simulator's finite check sees it.)
+  if (tid < C) g_s[tid] = CLEF_FAULT(gdr_padding_rows_g_zero, ws.gates(chunk_index, hv)[tid],
+                                     tid < n ? ws.gates(chunk_index, hv)[tid] : 0.0f);
   __syncthreads();
 
   // P = Q K^T (.) Gamma, causal: warp w's row block, tiles on and left of the diagonal (the others are zero

@@ -398,6 +398,12 @@ __device__ __forceinline__ void paged_attention_wmma_tile(const PagedAttentionPa
     }
   }
   if (!warp_live) return;  // after the last barrier of the CTA
+  // (The fault: the tile's last warp's rows doubled.)
+  if (CLEF_FAULT(wmma_last_warp_rows_doubled, false, warp == kWmmaThreads / 32 - 1)) {
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j)
+      for (int i = 0; i < ELEMS; ++i) acc[j].x[i] *= 2.0f;
+  }
 
   // Each 16 x 16 accumulator tile goes out through the warp's score rows as fp32 staging; lanes 2r, 2r+1
   // (which hold row r's l) normalise and write 8 columns of row r each.
@@ -651,6 +657,12 @@ __device__ __forceinline__ void paged_attention_wmma2_tile(const PagedAttentionP
   }
   if (!pair_live) return;  // after the CTA's last barrier; the rows are past the sequence's queries
 
+  // (The fault: the last warp's rows, its half of the columns, doubled.)
+  if (CLEF_FAULT(wmma2_last_warp_rows_doubled, false, warp == kWmma2Warps - 1)) {
+#pragma unroll
+    for (int j = 0; j < HALF_TILES; ++j)
+      for (int i = 0; i < ELEMS; ++i) acc[j].x[i] *= 2.0f;
+  }
   // (The fault: the pair's column halves swapped on the way out.)
   const int out_column_tile = CLEF_FAULT(wmma2_swap_column_halves, first_column_tile, HALF_TILES - first_column_tile);
   if (p.splits > 1) {

@@ -87,6 +87,9 @@ constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
 // set between launches only.
 inline int compute_capability = 80;
 inline std::string active_fault;
+// Whether CLEF_CHECK_FINITE checks (set_finite_check): on by default; off where a test judges kernels only by what
+// a GPU would show (benchmarks/selfcheck_power.py: the self-check's own comparisons, not the simulator's check).
+inline bool finite_check = true;
 // The channels a band fault zeroes (CLEF_FAULT_BAND_CONTAINS; torch.ops.clef_sim.set_fault_band): [lo, hi).
 inline int64_t fault_band_lo = 0, fault_band_hi = 0;
 // SMs of the simulated device (torch.ops.clef_sim.set_multiprocessor_count): a V100's 80, so that the
@@ -108,6 +111,7 @@ inline std::atomic<int> device_generation{0};
 inline std::atomic<int64_t> attribute_queries{0};
 inline std::atomic<int64_t> opt_ins{0};
 inline std::atomic<int64_t> last_launch_smem{0};  // dynamic shared memory of the latest launch
+inline std::atomic<int64_t> launches{0};          // kernel launches so far
 
 // Dynamic shared memory each kernel opted in to with cudaFuncSetAttribute.
 inline std::mutex attribute_mutex;
@@ -451,7 +455,7 @@ inline void named_barrier_sync(int id, int threads) {
 
 namespace clef_sim {
 inline void check_finite(float value, const char* what) {
-  if (!std::isfinite(value))
+  if (finite_check && !std::isfinite(value))
     throw std::runtime_error(std::string("simulated CUDA: a non-finite value (") + std::to_string(value) + ") in " +
                              what);
 }
@@ -556,6 +560,7 @@ class Launch {
     }
     if (grid_.y > 65535 || grid_.z > 65535) throw std::runtime_error("simulated CUDA: grid.y/grid.z above 65535");
     last_launch_smem = static_cast<int64_t>(smem_);
+    ++launches;
     blockDim = block_;
     gridDim = grid_;
     // A GPU runs a grid's blocks in any order: along x the last first by default (blocks_last_first), and

@@ -135,6 +135,13 @@ std::vector<int64_t> set_fault_band(int64_t lo, int64_t hi) {
   return previous;
 }
 
+// Whether CLEF_CHECK_FINITE checks; returns the previous setting.
+bool set_finite_check(bool on) {
+  const bool previous = clef_sim::finite_check;
+  clef_sim::finite_check = on;
+  return previous;
+}
+
 std::string set_fault(c10::string_view name) {
   std::string previous = clef_sim::active_fault;
   clef_sim::active_fault = std::string(name);
@@ -142,6 +149,9 @@ std::string set_fault(c10::string_view name) {
 }
 
 // [device attribute queries, kernel opt-ins] so far, and the dynamic shared memory of the latest launch.
+// Kernel launches so far (what a GPU would pay a launch for: benchmarks/selfcheck_cost.py counts the self-check's).
+int64_t launch_count() { return clef_sim::launches.load(); }
+
 std::vector<int64_t> launcher_device_calls() {
   return {clef_sim::attribute_queries.load(), clef_sim::opt_ins.load(), clef_sim::last_launch_smem.load()};
 }
@@ -150,11 +160,13 @@ std::vector<int64_t> launcher_device_calls() {
 
 TORCH_LIBRARY_FRAGMENT(clef_sim, m) {
   m.def("launcher_device_calls() -> int[]", &launcher_device_calls);
+  m.def("launch_count() -> int", &launch_count);
   m.def("set_compute_capability(int cc) -> int", &set_compute_capability);
   m.def("set_multiprocessor_count(int sms) -> int", &set_multiprocessor_count);
   m.def("checked_archs() -> str[]", &checked_archs);
   m.def("set_fault(str name) -> str", &set_fault);
   m.def("set_fault_band(int lo, int hi) -> int[]", &set_fault_band);
+  m.def("set_finite_check(bool on) -> bool", &set_finite_check);
   m.def("set_block_order(str order) -> str", &set_block_order);
   m.def("probe_named_barriers(str how) -> str", &probe_named_barriers);
 }
