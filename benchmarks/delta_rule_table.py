@@ -99,6 +99,10 @@ def wall_ms(fn, repeats: int = 5) -> float:
     return 1e3 * statistics.median(times)
 
 
+# The chunked kernel's state-pass variants at head dim 128 (gated_delta_rule.h gdr_state_variants).
+STATE_VARIANTS = ("s16", "s32", "s64", "d64", "d128")
+
+
 def inputs(batch: int, tokens: int, dtype, device):
     """q, k, v as views of one conv output (as the trunk passes them), fresh sequences of tokens / batch."""
     length = tokens // batch
@@ -132,6 +136,17 @@ def measure_row(n: int, batch: int, dtype, device, fla) -> list[str]:
     try:
         ops.gated_delta_rule_dispatch(q, v, cu, "chunked")
         timed["chunked"] = device_ms(ours("chunked"))
+        # Every state-pass variant this device can run, beside the rule's pick: whether residency picks the fastest.
+        picked = ops.gated_delta_rule_variant(q, v, cu, "chunked")
+        variants = []
+        for variant in STATE_VARIANTS:
+            try:
+                ops.gated_delta_rule_dispatch(q, v, cu, f"chunked:{variant}")
+            except ValueError:  # its shared memory does not fit this device
+                continue
+            ms, _ = device_ms(ours(f"chunked:{variant}"))
+            variants.append(f"{variant} {ms:.3f}{' (the rule)' if picked.endswith(':' + variant) else ''}")
+        print(f"    state-pass variants, ms: {', '.join(variants)}", flush=True)
     except ValueError as why:  # Pascal, bf16 before sm_80, fp32
         print(f"    chunked kernel: {why}", flush=True)
     timed["serial"] = device_ms(ours("serial"))

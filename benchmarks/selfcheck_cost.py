@@ -8,6 +8,14 @@ which a GPU's time is estimated. Table last.
     python benchmarks/selfcheck_cost.py                  # CPU, fp32
     python benchmarks/selfcheck_cost.py --device cuda --dtype f16
     python benchmarks/selfcheck_cost.py --device cuda --dtype f16 --quantize int8 --only-flash
+    python benchmarks/selfcheck_cost.py --count --against 9e54ac2   # no GPU: its work, against a revision's
+
+--count runs the self-check at clef-flash's layer shapes in f16 on the CUDA simulator's kernels (a simulated H100,
+tests/cuda_sim) and counts what a GPU would pay for: our kernel launches, the torch ops the references and layers
+issue, and their FLOPs; with --against REV the self-check of that revision (its clef_cuda/serving/selfcheck.py, on
+today's kernels) beside it, and the H200's measured warm cost (WARM_H200_S, 0.10 s on 2026-12-04: launch- and
+dispatch-bound at these sizes, its FLOPs a fraction of a millisecond) scaled by the ratio of launches and op calls
+(ours and torch's): the estimate where no GPU is lent.
 
 Exits 1 when a self-check fails (scripts/gpu_check.sh gates on it: at clef-flash's shapes the attention
 check runs the tensor-core kernel at head dim 256, which clef-tiny's head dim 32 never reaches).
@@ -56,6 +64,9 @@ FLASH_LAYERS = TrunkConfig(
 )
 # Rates for the GPU estimate (shared/specs/kernels.md): V100 SXM2, f16.
 V100_GEMM_FLOPS, V100_BANDWIDTH = 100e12, 790e9
+# The self-check's warm cost at clef-flash's shapes in f16, measured on an H200 (benchmarks/RESULTS.md, 2026-12-04),
+# and the revision it ran: what --count scales.
+WARM_H200_S, WARM_H200_REVISION = 0.10, "9e54ac2"
 
 
 def random_trunk(config: TrunkConfig, device, dtype, quantize: str = "none") -> Trunk:
@@ -92,6 +103,98 @@ def timed(trunk: Trunk, block_size: int, repeats: int) -> tuple[float, float, in
     return first.seconds, statistics.median(times), len(report.checks), first.passed and report.passed
 
 
+def count_work(selfcheck_module, trunk) -> dict:
+    """Kernel launches, torch ops (by the references, the layers' GEMMs, the glue around them) and their FLOPs of
+    one run of `selfcheck_module`'s run_selfcheck on `trunk` (whose ops are the simulator's)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.torch_ops = self.ours = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "clef_sim":
+                self.ours += 1
+            elif func.namespace not in ("prim",):
+                self.torch_ops += 1
+            return func(*args, **(kwargs or {}))
+
+    launches = torch.ops.clef_sim.launch_count()
+    flops = FlopCounterMode(display=False)
+    with flops, CountOps() as counted:
+        report = selfcheck_module.run_selfcheck(trunk)
+    return dict(
+        checks=len(report.checks),
+        passed=report.passed,
+        launches=torch.ops.clef_sim.launch_count() - launches,
+        our_ops=counted.ours,
+        torch_ops=counted.torch_ops,
+        flops=flops.get_total_flops(),
+    )
+
+
+def count(against: str | None) -> int:
+    """--count: the self-check's work on the simulator at clef-flash's layer shapes, and the GPU estimate."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "cuda_sim")]
+    from build import load_cuda_sim
+    from conftest import simulated
+
+    from clef_cuda.serving import selfcheck
+
+    sim_ops = load_cuda_sim()
+    trunk = random_trunk(FLASH_LAYERS, torch.device("cpu"), torch.float16).with_ops(sim_ops)
+    modules = {"today": selfcheck}
+    if against:
+        source = subprocess.run(
+            ["git", "show", f"{against}:clef_cuda/serving/selfcheck.py"], cwd=ROOT, capture_output=True, text=True
+        )
+        if source.returncode != 0:
+            print(f"selfcheck_cost: --against {against}: {source.stderr.strip()}", file=sys.stderr)
+            return 2
+        path = Path(tempfile.mkdtemp(prefix="selfcheck-")) / "selfcheck_then.py"
+        path.write_text(source.stdout)
+        spec = importlib.util.spec_from_file_location("selfcheck_then", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        modules = {against: module, "today": selfcheck}
+    rows = {}
+    with simulated(compute_capability=90, multiprocessors=132), torch.inference_mode():
+        for name, module in modules.items():
+            started = time.perf_counter()
+            rows[name] = count_work(module, trunk)
+            print(f"{name}: {rows[name]} ({time.perf_counter() - started:.0f} s in the simulator)", flush=True)
+    print("\nthe self-check's work at clef-flash's layer shapes, f16, a simulated H100 (CUDA simulator)")
+    print(
+        f"{'revision':10s} {'checks':>6s} {'passed':>6s} {'launches':>8s} {'our ops':>7s} {'torch ops':>9s} "
+        f"{'GFLOP':>7s}"
+    )
+    for name, row in rows.items():
+        print(
+            f"{name:10s} {row['checks']:>6d} {str(row['passed']):>6s} {row['launches']:>8d} {row['our_ops']:>7d} "
+            f"{row['torch_ops']:>9d} {row['flops'] / 1e9:>7.2f}"
+        )
+    if against == WARM_H200_REVISION:
+        then, now = rows[against], rows["today"]
+
+        def calls(row):  # what a GPU pays per call at these sizes: a launch, or a host-side op dispatch
+            return row["launches"] + row["our_ops"] + row["torch_ops"]
+
+        ratio = calls(now) / calls(then)
+        print(
+            f"\nGPU estimate: {WARM_H200_S:.2f} s warm on an H200 at {against} (measured), x {ratio:.2f} launches and "
+            f"op calls = {WARM_H200_S * ratio:.2f} s today; the FLOPs ({now['flops'] / 1e9:.1f} GFLOP) are "
+            f"{1e3 * now['flops'] / 400e12:.2f} ms at 400 TFLOP/s"
+        )
+    return 0 if all(row["passed"] for row in rows.values()) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -100,7 +203,11 @@ def main() -> int:
     parser.add_argument("--only-flash", action="store_true", help="only the clef-flash layer shapes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--count", action="store_true", help="count its work on the CUDA simulator (no GPU needed)")
+    parser.add_argument("--against", help="with --count: a git revision whose self-check to count beside today's")
     args = parser.parse_args()
+    if args.count:
+        return count(args.against)
     device, dtype, q = torch.device(args.device), DTYPES[args.dtype], args.quantize
     from releases import mid_release
 

@@ -10,15 +10,16 @@ own finite check (CLEF_CHECK_FINITE) is off for them, so what they catch is what
 whose damage reaches no output (InjectedFault.reaches_outputs) is reported apart. Table last, then `caught by the
 self-check: N of M`.
 
-    python benchmarks/selfcheck_power.py                       # every fault (about 3 minutes on 2 cores)
+    python benchmarks/selfcheck_power.py                       # every fault (about 5 minutes on 2 cores)
     python benchmarks/selfcheck_power.py --faults gdr_w_rows_past_16_zeroed,wmma_last_warp_rows_doubled
     python benchmarks/selfcheck_power.py --no-autotune         # the self-check and the op tests only
     python benchmarks/selfcheck_power.py --gates fast          # the delta-rule cases' gates as they were: -3 x rand
 
 Columns: the fault, its kernel and simulated card; "op tests" yes/no; "self-check" yes/no with its worst check's
-error over its tolerance (the check named; "raised" where the self-check's op raised: a deadlock, a launch over
-the device's shared memory: what a GPU raises, or hangs on in the kernel trials, too); "autotune" yes/no (a candidate of the fault's kernel failed its
-check or raised), "-" where the autotune has no candidates of that kernel (the conv, the glue, dequantize).
+error over its tolerance (the check named; "non-finite" where an output came back inf or NaN; "raised" where the
+self-check's op raised: a deadlock, a launch over the device's shared memory, which a GPU raises or hangs on in the
+kernel trials too); "autotune" yes/no (a candidate of the fault's kernel failed its check or raised), "-" where
+the autotune has no candidates of that kernel (the conv, the glue, dequantize).
 Exit 1 when a fault the op tests catch passes the self-check, or when the healthy kernels fail it on any card.
 """
 
@@ -73,6 +74,7 @@ def worst_check(report) -> str:
     raised = [c for c in report.checks if c.error]
     if raised:
         return f"raised: {raised[0].name}: {raised[0].error[:60]}"
+
     def ratio(c) -> float:  # an exact check (tolerance 0) that is off is infinitely off
         return c.max_abs_error / c.tolerance if c.tolerance else (math.inf if c.max_abs_error > 0 else 0.0)
 

@@ -361,7 +361,7 @@ __device__ __forceinline__ void prepare(const GatedDeltaRuleParams& p) {
 // A staged state pass's copies of a chunk's tiles into shared memory: W [64][D] and U's BV columns [64][BV] (read
 // by the v_new product), the keys [64][D] (read by the state update). ASYNC (sm_80 on): cp.async, landing
 // when the thread waits for its group (fetch_w_u then fetch_keys: two groups a chunk). Else through registers,
-// one tile in flight at a time (each 16 uint4 a thread at D = 128, beside the state's fragments): the next W
+// one tile in flight at a time (8 uint4 a thread at D = 128, beside the state's fragments): the next W
 // loaded from the chunk's start and stored once this chunk's v_new is done (with U's columns, copied then), the
 // next keys loaded then and stored once the state update is done.
 template <typename T, int D, int BV, bool ASYNC>
@@ -470,7 +470,8 @@ __device__ __forceinline__ void carry_state(const GatedDeltaRuleParams& p) {
   // host (packed_sequence keeps each sequence inside the pack, but garbage ones may overlap), so stop there.
   const int64_t max_chunks = gdr_max_chunks(p.num_tokens, p.batch);
   int chunks = gdr_num_chunks(s.len);
-  if (first_chunk + chunks > max_chunks) chunks = static_cast<int>(max_chunks - first_chunk > 0 ? max_chunks - first_chunk : 0);
+  if (first_chunk + chunks > max_chunks)
+    chunks = static_cast<int>(max_chunks - first_chunk > 0 ? max_chunks - first_chunk : 0);
   // (The fault: the pack's last sequence stops a chunk short.)
   if (CLEF_FAULT(gdr_drops_last_chunk_of_pack, false, b == p.batch - 1 && chunks > 0)) --chunks;
   if constexpr (STAGED) {
@@ -538,12 +539,13 @@ __device__ __forceinline__ void carry_state(const GatedDeltaRuleParams& p) {
       wmma::fill_fragment(acc, 0.0f);
       // A few 16-deep slices at a time: a whole row of W's fragments at once (read from L2 in the direct
       // variants) would not fit beside the state's (one at a time where the state is 16 tiles a warp).
+      constexpr int W_LD = STAGED ? LDK : D;
       if constexpr (MY_TILES >= 16) {
 #pragma unroll 1
-        for (int k = 0; k < D / 16; ++k) mma_ab(acc, w_operand + 16 * k, STAGED ? LDK : D, s_s + 16 * k * LDS + 16 * cb, LDS, 1);
+        for (int k = 0; k < D / 16; ++k) mma_ab(acc, w_operand + 16 * k, W_LD, s_s + 16 * (k * LDS + cb), LDS, 1);
       } else {
 #pragma unroll 2
-        for (int k = 0; k < D / 16; ++k) mma_ab(acc, w_operand + 16 * k, STAGED ? LDK : D, s_s + 16 * k * LDS + 16 * cb, LDS, 1);
+        for (int k = 0; k < D / 16; ++k) mma_ab(acc, w_operand + 16 * k, W_LD, s_s + 16 * (k * LDS + cb), LDS, 1);
       }
       stage(scratch, acc);
       float u[8], value[8], decayed[8];
