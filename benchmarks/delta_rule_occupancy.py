@@ -83,7 +83,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=1, help="records a step (default 1: one long record)")
     args = parser.parse_args()
-    host_probe = check_archs().host_probe
     header = (
         f"{'card':9s} {'arch':6s} {'SMs':>4s} {'model':10s} {'tokens':>6s} | {'prepare CTAs':>12s} {'/SM':>3s} "
         f"{'waves':>5s} | {'state':5s} {'CTAs':>5s} {'/SM':>3s} {'waves':>5s} | {'output':6s} {'CTAs':>6s} {'/SM':>3s} "
@@ -94,7 +93,7 @@ def main() -> int:
     for cc, card, sms in cards():
         for model, (hk, hv) in MODELS.items():
             for tokens in TOKENS:
-                out = host_probe_cached(host_probe, cc, sms, hk, hv, tokens, args.records)
+                out = host_probe_cached(cc, sms, hk, hv, tokens, args.records)
                 p_blocks, p_sm, p_waves, variant, s_blocks, s_sm, s_waves, oc, o_blocks, o_sm, o_waves = out.split()
                 lines.append(
                     f"{card:9s} sm_{cc:<3d} {sms:>4d} {model:10s} {tokens:>6d} | {p_blocks:>12s} {p_sm:>3s} "
@@ -112,22 +111,13 @@ def main() -> int:
 _PROBE_EXE: dict[str, Path] = {}
 
 
-def host_probe_cached(host_probe, *args) -> str:
-    """The probe compiled once, run per row (check_archs.host_probe compiles on every call)."""
+def host_probe_cached(*args) -> str:
+    """PROBE compiled once (check_archs.compile_probe), run per row."""
     import subprocess
     import tempfile
 
     if "exe" not in _PROBE_EXE:
-        directory = Path(tempfile.mkdtemp(prefix="gdr-occupancy-"))
-        exe = directory / "probe"
-        subprocess.run(
-            ["c++", "-std=c++20", f"-I{ROOT / 'csrc'}", "-x", "c++", "-", "-o", str(exe)],
-            input=PROBE,
-            text=True,
-            check=True,
-            capture_output=True,
-        )
-        _PROBE_EXE["exe"] = exe
+        _PROBE_EXE["exe"] = check_archs().compile_probe(PROBE, Path(tempfile.mkdtemp(prefix="gdr-occupancy-")))
     return subprocess.run([str(_PROBE_EXE["exe"]), *map(str, args)], capture_output=True, text=True, check=True).stdout
 
 

@@ -52,18 +52,24 @@ DEFAULT_DYNAMIC_SMEM = 48 * 1024  # without cudaFuncSetAttribute(cudaFuncAttribu
 MAX_NAMED_BARRIERS = 16  # per CTA, __syncthreads' barrier 0 included
 
 
+def compile_probe(source: str, directory: Path) -> Path:
+    """`source` (C++20, csrc/ on the include path) compiled for this machine into `directory`: the executable."""
+    exe = Path(directory) / "probe"
+    subprocess.run(
+        ["c++", "-std=c++20", f"-I{ROOT / 'csrc'}", "-x", "c++", "-", "-o", str(exe)],
+        input=source,
+        text=True,
+        check=True,
+        capture_output=True,
+    )
+    return exe
+
+
 def host_probe(source: str, *args: str) -> str:
     """Compile `source` (C++20, csrc/ on the include path) for this machine, run it with `args`, return what it
     printed: how the launchers' own torch- and CUDA-free headers are read from Python."""
     with tempfile.TemporaryDirectory() as tmp:
-        exe = Path(tmp) / "probe"
-        subprocess.run(
-            ["c++", "-std=c++20", f"-I{ROOT / 'csrc'}", "-x", "c++", "-", "-o", str(exe)],
-            input=source,
-            text=True,
-            check=True,
-            capture_output=True,
-        )
+        exe = compile_probe(source, Path(tmp))
         return subprocess.run([str(exe), *args], capture_output=True, text=True, check=True).stdout
 
 

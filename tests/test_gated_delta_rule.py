@@ -567,3 +567,24 @@ def test_the_chunked_checks_catch_each_fault(sim_ops, fault):
     # caught: past the tolerance, or a non-finite value the simulator saw (CLEF_CHECK_FINITE)
     with simulated(fault=fault), pytest.raises((AssertionError, RuntimeError)):
         check_chunked(backend, [65, 130], 1, 2, 16, torch.float16)
+
+
+def test_one_record_fills_every_card_in_one_wave_of_the_state_pass():
+    """benchmarks/delta_rule_occupancy.py's table from the launchers' own functions: clef-flash's one record (32 heads
+    x 128) runs its state pass in one wave of CTAs on every tensor-core card of csrc/common/arch_limits.h, clef 27B's
+    (48 heads) on all but the T4 (48 CTAs of one an SM on its 40 SMs). The block-count rule it replaced ran a V100's
+    in 2 waves (128 CTAs of 32 columns, one an SM) and a T4's in 4."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    path = ROOT / "benchmarks" / "delta_rule_occupancy.py"
+    spec = importlib.util.spec_from_file_location("delta_rule_occupancy", path)
+    occupancy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(occupancy)
+    for cc, card, sms in occupancy.cards():
+        for model, (hk, hv) in occupancy.MODELS.items():
+            fields = occupancy.host_probe_cached(cc, sms, hk, hv, 2048, 1).split()
+            variant, waves = fields[3], int(fields[6])
+            expected = 2 if (card, model) == ("T4", "clef 27B") else 1
+            assert waves == expected, (card, model, variant, waves)
