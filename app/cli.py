@@ -17,10 +17,10 @@ from clef_cuda.request.encoding import CLIENT_SPECIAL_TOKENS
 
 EXIT_USAGE = 2
 EXIT_PLAN_DOES_NOT_FIT = 3  # --plan: the release does not fit the memory planned for
-# What a failed on-device self-check (app.server) or shadow check (clef_cuda.serving.shadow) does.
+# What a failed on-device self-check (app.server) or shadow check (clef_cuda.verification.shadow) does.
 SELFCHECK_MODES = ("enforce", "warn", "off")
-AUTOTUNE_MODES = ("fast", "full", "off")  # clef_cuda.serving.autotune (kept here: the CLI imports no torch)
-KERNEL_TRIALS = ("auto", "child", "inline")  # clef_cuda.serving.autotune.KERNEL_TRIALS
+AUTOTUNE_MODES = ("fast", "full", "off")  # clef_cuda.tuning.autotune (kept here: the CLI imports no torch)
+KERNEL_TRIALS = ("auto", "child", "inline")  # clef_cuda.tuning.autotune.KERNEL_TRIALS
 VOCAB_TABLES = ("auto", "device", "host")  # clef_cuda.model.weights.VOCAB_TABLE_PLACEMENTS, and auto
 DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 
@@ -374,7 +374,7 @@ def make_decider(args, on_lost=None):
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
     group = None
     if args.tensor_parallel_size > 1:
-        from clef_cuda.serving.tensor_parallel import TensorParallel
+        from clef_cuda.parallel.tensor_parallel import TensorParallel
 
         group = TensorParallel(args.tensor_parallel_size, on_lost=on_lost, timeout=args.tensor_parallel_timeout or 60.0)
     return Decider.from_release(
@@ -470,7 +470,7 @@ def make_adapters(args, decider):
 
 def engine_config(args):
     from clef_cuda.serving.engine import EngineConfig
-    from clef_cuda.serving.shadow import ShadowConfig
+    from clef_cuda.verification.shadow import ShadowConfig
 
     return EngineConfig(
         shadow=ShadowConfig(args.shadow_rate, args.shadow_mode, args.shadow_max_mismatches, args.shadow_min_interval),
@@ -577,7 +577,7 @@ def make_plan(args, quantize: str | None = None, vocab_tables: str | None = None
     if device.type == "cuda" and args.gpu_memory is None:  # the card itself: say what its kernels are
         from dataclasses import replace
 
-        from clef_cuda import ops
+        from clef_cuda.kernels import ops
 
         props = torch.cuda.get_device_properties(device)
         smem = getattr(props, "shared_memory_per_block_optin", 48 * 1024)
@@ -621,7 +621,7 @@ def check_plan(args, log) -> int | None:
 
 def selfcheck_only(args) -> int:
     """--selfcheck-only: the report on stdout, exit 0 when every check passed, 1 otherwise."""
-    from clef_cuda.serving.selfcheck import run_selfcheck
+    from clef_cuda.verification.selfcheck import run_selfcheck
 
     trunk = make_decider(args).trunk
     try:
@@ -679,7 +679,7 @@ def check_before_loading(args, parser, log) -> tuple[int | None, str]:
     from clef_cuda.model.weights import check_not_prequantized
 
     try:
-        import clef_cuda.ops  # noqa: F401  (applies CLEF_CPU_ISA: ValueError for a variant this CPU lacks)
+        import clef_cuda.kernels.ops  # noqa: F401  (applies CLEF_CPU_ISA: ValueError for a variant this CPU lacks)
 
         resolve_device(args.device)
         dtype_line = resolve_dtype(args)

@@ -168,7 +168,7 @@ class Metrics:
         self._model_labels: set[str] = set()
 
     def observe_autotune(self, report) -> None:
-        """The autotune's choices (clef_cuda.serving.autotune.AutotuneReport): one series per op and bucket,
+        """The autotune's choices (clef_cuda.tuning.autotune.AutotuneReport): one series per op and bucket,
         labelled with the implementation chosen, value 1."""
         if not hasattr(self, "kernel_choice"):
             self.kernel_choice = Gauge(
@@ -191,8 +191,8 @@ class Metrics:
             self.kernel_failed.labels(kernel=kernel).set(1)
 
     def observe_selfcheck(self, report) -> None:
-        """The on-device self-check's outcome (clef_cuda.serving.selfcheck.SelfCheckReport). The families exist only
-        once a check ran: with --selfcheck off they are absent, not a misleading 0."""
+        """The on-device self-check's outcome (clef_cuda.verification.selfcheck.SelfCheckReport). The families exist
+        only once a check ran: with --selfcheck off they are absent, not a misleading 0."""
         if self._selfcheck is None:
             r = self.registry
             self._selfcheck = (

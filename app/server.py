@@ -42,16 +42,16 @@ from app.metrics import Metrics
 from app.schemas import SystemOneRequest, capacity_message, unsupported_question_errors
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
 from clef_cuda.model.adapters import AdapterError, check_variant_name
+from clef_cuda.parallel.tensor_parallel import StepFailedOnRank, TensorParallelLost
 from clef_cuda.request.images import ImageError
 from clef_cuda.request.routing import prefix_key
-from clef_cuda.serving.autotune import AutotuneReport, autotune, cache_file, install, record_kernel_failure
-from clef_cuda.serving.cuda_errors import OUT_OF_MEMORY, TRANSIENT, classify, first_line
+from clef_cuda.runtime.cuda_errors import OUT_OF_MEMORY, TRANSIENT, classify, first_line
 from clef_cuda.serving.engine import Engine, EngineStoppedError, QueueFullError, RequestCancelledError
-from clef_cuda.serving.guarded_ops import KernelFault
-from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
-from clef_cuda.serving.tensor_parallel import StepFailedOnRank, TensorParallelLost
+from clef_cuda.tuning.autotune import AutotuneReport, autotune, cache_file, install, record_kernel_failure
+from clef_cuda.verification.guarded_ops import KernelFault
+from clef_cuda.verification.selfcheck import SelfCheckReport, run_selfcheck
 
-# A sticky CUDA error killed this process's GPU context (clef_cuda.serving.guarded_ops): the kernel is recorded
+# A sticky CUDA error killed this process's GPU context (clef_cuda.verification.guarded_ops): the kernel is recorded
 # as failed in the autotune cache and the process exits with this, for its supervisor to start it again.
 EXIT_KERNEL_FAULT = 4
 EXIT_TENSOR_PARALLEL_LOST = 5  # a tensor-parallel rank died, hung or failed a collective
@@ -74,11 +74,11 @@ class ServerSettings:
     release_date: str = "2026-10-01"
     disconnect_poll_seconds: float = 0.05
     selfcheck: str = "enforce"  # enforce: a failed on-device self-check keeps /ready 503; warn: serve anyway; off
-    # The start-up autotune (clef_cuda.serving.autotune): fast, full or off (the CLI's default is fast), and
+    # The start-up autotune (clef_cuda.tuning.autotune): fast, full or off (the CLI's default is fast), and
     # where its choices are cached (None: not cached).
     autotune: str = "off"
     autotune_cache: str | None = None
-    # Where never-run kernels are first tried (clef_cuda.serving.trial): auto (a child process on a GPU),
+    # Where never-run kernels are first tried (clef_cuda.tuning.trials): auto (a child process on a GPU),
     # child, inline.
     kernel_trials: str = "auto"
     adapter_root: str | None = None  # set: runtime adapter loading is on, from under this directory only
@@ -182,7 +182,7 @@ def create_app(
     names = {settings.served_model_name, *settings.aliases}
 
     def passes_selfcheck(loaded: Engine) -> bool:
-        """The kernels proven on this device before any traffic (clef_cuda.serving.selfcheck); False when a failure
+        """The kernels proven on this device before any traffic (clef_cuda.verification.selfcheck); False when a failure
         must keep the server unready."""
         if settings.selfcheck == "off":
             log.warning("the on-device kernel self-check is off (--selfcheck off): kernels are not verified here")
@@ -209,7 +209,7 @@ def create_app(
         return False
 
     def tune(loaded: Engine) -> None:
-        """Every kernel tried (on a GPU in a child process first: clef_cuda.serving.trial) and the fastest
+        """Every kernel tried (on a GPU in a child process first: clef_cuda.tuning.trials) and the fastest
         verified implementation per op and call shape chosen, on this device; the trunk then runs on the
         guarded op library. Never fatal: a failure leaves the dispatch rule's kernels."""
         trunk = loaded.decider.trunk

@@ -36,7 +36,7 @@ import cases as bench_cases  # noqa: E402
 from kernel_table import measured_peaks, timer  # noqa: E402
 from selfcheck_cost import FLASH_LAYERS  # noqa: E402
 
-from clef_cuda import ops  # noqa: E402
+from clef_cuda.kernels import ops  # noqa: E402
 from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, TrunkConfig  # noqa: E402
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk  # noqa: E402
 from clef_cuda.model.trunk_cache import TrunkCache  # noqa: E402

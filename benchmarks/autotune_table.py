@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The start-up autotune's table on this device (clef_cuda.serving.autotune): every candidate of each op,
+"""The start-up autotune's table on this device (clef_cuda.tuning.autotune): every candidate of each op,
 checked and timed at a model's shapes per call-shape bucket, and what it chose. What clef-serve logs and
 /ready returns at start-up, without a server and without the cache.
 
@@ -24,8 +24,8 @@ from selfcheck_cost import DTYPES, FLASH_LAYERS, random_trunk  # noqa: E402
 
 from clef_cuda import Decider  # noqa: E402
 from clef_cuda.model.default_model import default_release  # noqa: E402
-from clef_cuda.serving.autotune import autotune  # noqa: E402
 from clef_cuda.serving.engine import EngineConfig  # noqa: E402
+from clef_cuda.tuning.autotune import autotune  # noqa: E402
 
 
 def main() -> int:

@@ -120,7 +120,7 @@ def main() -> int:
         today = seconds["ours bf16 (today)"]
         for name in engines:
             rows.append([name, f"{drifts[name]:.2e}", f"{seconds[name]:.2f}", f"{today / seconds[name]:.2f}"])
-    from clef_cuda.cpu_features import cpu_model
+    from clef_cuda.kernels.cpu_features import cpu_model
 
     title = (
         f"{time.strftime('%Y-%m-%d')}, {cpu_model()}, {args.threads} threads, {args.shape}, "

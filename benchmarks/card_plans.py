@@ -3,8 +3,8 @@
 `clef-serve --plan --gpu-memory ...` prints) at clef-flash's shapes for the capacity torch reports for the card
 (cited per card below), with and without int8 weights, the vocabulary tables on the device or, where only that
 fits, in host memory (--vocab-tables auto), and the attention kernels its compute capability and shared memory
-give it (the launcher's own tile rule, clef_cuda.ops.paged_attention_tiles). No weights are needed: a config-only
-release is written to a temporary directory. Prints a table.
+give it (the launcher's own tile rule, clef_cuda.kernels.ops.paged_attention_tiles). No weights are needed: a
+config-only release is written to a temporary directory. Prints a table.
 
     python benchmarks/card_plans.py
 """
@@ -58,7 +58,7 @@ def main() -> int:
     import torch
     from releases import flash_config_release
 
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
     from clef_cuda.model.config import load_release_config
     from clef_cuda.serving.engine import EngineConfig
     from clef_cuda.serving.plan import GiB, auto_vocab_tables, plan_serving

@@ -1,6 +1,6 @@
 """Benchmark cases at clef-flash layer shapes, shared by the pytest-benchmark suite and kernel_table.py.
 
-Each case builds its inputs once and exposes callables: ``ours`` (clef_cuda.ops), ``reference`` (the
+Each case builds its inputs once and exposes callables: ``ours`` (clef_cuda.kernels.ops), ``reference`` (the
 upstream torch path on the same shapes: transformers' Qwen3.5 torch fallbacks, i.e. causal_conv1d_fn /
 _update, torch_chunk / torch_recurrent_gated_delta_rule and eager_attention_forward) and ``peers``:
 other implementations worth beating (torch's fused scaled_dot_product_attention for attention, FLA's
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from clef_cuda import ops
+from clef_cuda.kernels import ops
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -110,8 +110,8 @@ class Ours:
     def __init__(self, release: Path, dtype: torch.dtype, quantize: str, tokens: int, autotune: str) -> None:
         from clef_cuda import Decider
         from clef_cuda.model.quantize import Int8Weight
-        from clef_cuda.serving.autotune import autotune as tune
         from clef_cuda.serving.engine import EngineConfig
+        from clef_cuda.tuning.autotune import autotune as tune
 
         self.decider = Decider.from_release(release, device="cpu", dtype=dtype, quantize=quantize, progress=False)
         self.trunk = self.decider.trunk
@@ -196,10 +196,10 @@ def main() -> int:
         if args.llama_cpp_src is None or not (args.llama_cpp_src / "convert_hf_to_gguf.py").is_file():
             parser.exit(2, f"cpu_peers: --llama-cpp-src: no convert_hf_to_gguf.py in {args.llama_cpp_src}\n")
     threads = [int(t) for t in args.threads.split(",")]
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     isa = ops.cpu_isa()
-    from clef_cuda.cpu_features import cpu_gemm_features, cpu_model
+    from clef_cuda.kernels.cpu_features import cpu_gemm_features, cpu_model
 
     cpu = cpu_model()
     rows = []

@@ -235,8 +235,8 @@ def main() -> int:
             loads.append((name, ours_load, ref_load))
             decider = Decider.from_release(path, device=device, dtype=dtype, progress=False, max_length=16384)
             if args.autotune != "off":  # as clef-serve does at start-up: the fastest checked kernels per call shape
-                from clef_cuda.serving.autotune import autotune
                 from clef_cuda.serving.engine import EngineConfig
+                from clef_cuda.tuning.autotune import autotune
 
                 config = EngineConfig(max_num_seqs=1, prefill_chunk_size=decider.options.chunk_size)
                 print(autotune(decider.trunk, config, args.autotune).table(), flush=True)

@@ -143,8 +143,8 @@ def main() -> int:
         decider = random_decider(args.shape, device, dtype, args.quantize, Path(tmp))
         print(f"  built {args.shape} ({args.quantize}) in {time.perf_counter() - started:.1f} s", flush=True)
         if args.autotune != "off":
-            from clef_cuda.serving.autotune import autotune
             from clef_cuda.serving.engine import EngineConfig
+            from clef_cuda.tuning.autotune import autotune
 
             config = EngineConfig(max_num_seqs=1, prefill_chunk_size=decider.options.chunk_size)
             print(autotune(decider.trunk, config, args.autotune, trials="inline").table(), flush=True)

@@ -5,8 +5,8 @@ VARIANTS: the variant for 1 to 16 records), run in the CUDA simulator on that ca
 memory; cp.async from sm_80, register fetches before) at head dim 128 (1 key / 2 value heads: the kernels' per-head
 work is clef-flash's), f16 and, from sm_80, bf16; outputs and the states left in the slots; beside them the
 token-serial kernel. Gates in two regimes: "fast" (-3 x rand, the range most of a real layer's tokens decay in) and
-"mixed" (the self-check's: near 0, slow and fast by sequence and head, clef_cuda.serving.selfcheck.delta_rule_gates).
-The same inputs for every row of a regime. Table last.
+"mixed" (the self-check's: near 0, slow and fast by sequence and head,
+clef_cuda.verification.selfcheck.delta_rule_gates). The same inputs for every row of a regime. Table last.
 
     python benchmarks/delta_rule_accuracy.py
 
@@ -30,7 +30,7 @@ HEADS = (1, 2, 128)  # key heads, value heads, head dim
 
 
 def inputs(regime: str, dtype: torch.dtype, seed: int = 0) -> tuple:
-    from clef_cuda.serving.selfcheck import delta_rule_gates
+    from clef_cuda.verification.selfcheck import delta_rule_gates
 
     hk, hv, d = HEADS
     generator = torch.Generator().manual_seed(seed)
@@ -51,7 +51,7 @@ def inputs(regime: str, dtype: torch.dtype, seed: int = 0) -> tuple:
 
 
 def errors(sim_ops, kernel: str, regime: str, dtype: torch.dtype) -> tuple[float, float, float]:
-    from clef_cuda import reference
+    from clef_cuda.kernels import reference
 
     q, k, v, g, beta, states, cu, slots, initial = inputs(regime, dtype)
     expected_states = states.clone()

@@ -119,7 +119,7 @@ def inputs(batch: int, tokens: int, dtype, device):
 
 def measure_row(n: int, batch: int, dtype, device, fla) -> list[str]:
     """One table row: `n` tokens over `batch` fresh sequences."""
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     q, k, v, g, beta, cu = inputs(batch, n, dtype, device)
     states = torch.zeros(batch, HV, D, D, device=device)

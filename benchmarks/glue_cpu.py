@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The fused glue ops with a SiLU or a sigmoid (csrc/glue/glue_cpu.cpp) on the CPU against eager torch
-(clef_cuda.reference: the same math, one torch op a pass), per CPU kernel variant and dtype, at clef-flash's
+(clef_cuda.kernels.reference: the same math, one torch op a pass), per CPU kernel variant and dtype, at clef-flash's
 widths: time per call (median of --repeats, ours and eager interleaved) and eager / ours (above 1: ours is
 faster). Threads: torch's default unless --threads.
 
@@ -16,7 +16,7 @@ import sys
 import torch
 from decision_latency import interleaved_medians, markdown_table  # benchmarks/, the script's own directory
 
-from clef_cuda import ops, reference
+from clef_cuda.kernels import ops, reference
 
 # clef-flash (shared/specs/qwen35-trunk.md): MLP 12288; delta nets 32 value heads x 128; attention 16 heads x 256.
 MLP, V_HEADS, V_DIM, Q_HEADS, HEAD_DIM = 12288, 32, 128, 16, 256

@@ -58,8 +58,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    from clef_cuda import ops  # applies CLEF_CPU_ISA (and caps oneDNN and MKL) before the first GEMM
-    from clef_cuda.cpu_features import cpu_gemm_features, cpu_model
+    from clef_cuda.kernels import ops  # applies CLEF_CPU_ISA (and caps oneDNN and MKL) before the first GEMM
+    from clef_cuda.kernels.cpu_features import cpu_gemm_features, cpu_model
 
     torch.set_num_threads(args.threads)
     isa = ops.cpu_isa()

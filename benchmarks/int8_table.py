@@ -84,7 +84,7 @@ def probe(quantize: str, path: str, device: str, dtype: str) -> dict:
     """One load in this (fresh) process: seconds, anonymous memory before / peak / after, weight bytes."""
     import torch
 
-    import clef_cuda.ops  # noqa: F401  (the extension and torch's libraries: part of the baseline)
+    import clef_cuda.kernels.ops  # noqa: F401  (the extension and torch's libraries: part of the baseline)
     from clef_cuda import Decider
 
     before = status_bytes("RssAnon")
@@ -159,7 +159,7 @@ def layer_overhead(
     (ops.int8_linear) for the down projection at each of `rows_list`, their runs interleaved."""
     import torch
 
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
     from clef_cuda.model.quantize import quantize_int8
 
     helpers = decision_latency()

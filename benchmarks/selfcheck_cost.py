@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the on-device self-check (clef_cuda.serving.selfcheck) costs at start-up: measured on this machine for
+"""What the on-device self-check (clef_cuda.verification.selfcheck) costs at start-up: measured on this machine for
 the embedded clef-tiny, the test-suite's mid release and a trunk with clef-flash's layer shapes (one
 delta-net and one attention layer, random weights: the check runs one real layer of each kind, so more
 layers cost nothing), and the work it does there (FLOPs of the layer checks, bytes of weights read), from
@@ -12,7 +12,7 @@ which a GPU's time is estimated. Table last.
 
 --count runs the self-check at clef-flash's layer shapes in f16 on the CUDA simulator's kernels (a simulated H100,
 tests/cuda_sim) and counts what a GPU would pay for: our kernel launches, the torch ops the references and layers
-issue, and their FLOPs; with --against REV the self-check of that revision (its clef_cuda/serving/selfcheck.py, on
+issue, and their FLOPs; with --against REV the self-check of that revision (its clef_cuda/verification/selfcheck.py, on
 today's kernels) beside it, and the H200's measured warm cost (WARM_H200_S, 0.10 s on 2026-12-04: launch- and
 dispatch-bound at these sizes, its FLOPs a fraction of a millisecond) scaled by the ratio of launches and op calls
 (ours and torch's): the estimate where no GPU is lent.
@@ -40,7 +40,7 @@ from clef_cuda.model.default_model import default_release  # noqa: E402
 from clef_cuda.model.quantize import is_quantized_name, quantize_int8  # noqa: E402
 from clef_cuda.model.trunk import Trunk  # noqa: E402
 from clef_cuda.model.weights import serving_dtype_for, trunk_shapes  # noqa: E402
-from clef_cuda.serving.selfcheck import LAYER_STEPS, run_selfcheck  # noqa: E402
+from clef_cuda.verification.selfcheck import LAYER_STEPS, run_selfcheck  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # clef-flash (Qwen3.5-9B text trunk), one layer of each kind; a small vocabulary (the check never embeds).
@@ -145,14 +145,14 @@ def count(against: str | None) -> int:
     from build import load_cuda_sim
     from conftest import simulated
 
-    from clef_cuda.serving import selfcheck
+    from clef_cuda.verification import selfcheck
 
     sim_ops = load_cuda_sim()
     trunk = random_trunk(FLASH_LAYERS, torch.device("cpu"), torch.float16).with_ops(sim_ops)
     modules = {"today": selfcheck}
     if against:
         source = subprocess.run(
-            ["git", "show", f"{against}:clef_cuda/serving/selfcheck.py"], cwd=ROOT, capture_output=True, text=True
+            ["git", "show", f"{against}:clef_cuda/verification/selfcheck.py"], cwd=ROOT, capture_output=True, text=True
         )
         if source.returncode != 0:
             print(f"selfcheck_cost: --against {against}: {source.stderr.strip()}", file=sys.stderr)

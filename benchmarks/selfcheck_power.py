@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What the on-device self-check and the autotune's checks can see: every test-only fault of the CUDA kernels (each
 CLEF_FAULT point in csrc/, tests/kernel_faults.py), switched on in turn in the CUDA simulator, against the
-self-check the server runs (clef_cuda.serving.selfcheck.run_selfcheck, its real layers included) and the autotune's
-checks (clef_cuda.serving.autotune.autotune, inline, fast), on a release with clef-flash's per-head shapes and int8
+self-check the server runs (clef_cuda.verification.selfcheck.run_selfcheck, its real layers included) and the autotune's
+checks (clef_cuda.tuning.autotune.autotune, inline, fast), on a release with clef-flash's per-head shapes and int8
 weights in f16 (tests/releases.py flash_heads_release), each fault on its simulated device (the card of its arch in
 csrc/common/arch_limits.h, with that card's SMs); beside them whether the op tests' own cases catch it
 (tests/kernel_faults.py op_tests_catch). The self-check and the autotune are judged as on a GPU: the simulator's
@@ -86,8 +86,8 @@ def worst_check(report) -> str:
 
 def autotune_catches(trunk, kernel: str) -> bool | None:
     """Whether the inline fast autotune on `trunk` refuses a candidate of `kernel` (fails its check or raises)."""
-    from clef_cuda.serving.autotune import autotune
     from clef_cuda.serving.engine import EngineConfig
+    from clef_cuda.tuning.autotune import autotune
 
     candidates = AUTOTUNE_CANDIDATES.get(kernel)
     if candidates is None:
@@ -106,7 +106,7 @@ def run(fault_names: list[str] | None, with_autotune: bool) -> tuple[list[Outcom
     from conftest import simulated, simulated_cards
     from kernel_faults import BY_NAME, FAULTS, fault_points, op_tests_catch
 
-    from clef_cuda.serving.selfcheck import run_selfcheck
+    from clef_cuda.verification.selfcheck import run_selfcheck
 
     sim_ops = load_cuda_sim()
     missing = fault_points() - set(BY_NAME)
@@ -184,7 +184,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.gates == "fast":
-        from clef_cuda.serving import selfcheck
+        from clef_cuda.verification import selfcheck
 
         selfcheck.DELTA_RULE_GATES = (3.0,)
     torch.manual_seed(0)

@@ -42,7 +42,7 @@ def main() -> int:
 
     from clef_cuda import Decider
     from clef_cuda.serving.engine import Engine, EngineConfig
-    from clef_cuda.serving.shadow import ShadowConfig
+    from clef_cuda.verification.shadow import ShadowConfig
 
     decider = Decider.from_release(tiny_release(), device="cpu", progress=False)
     rng = random.Random(3)

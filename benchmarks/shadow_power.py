@@ -85,7 +85,7 @@ def run(
 
     from clef_cuda import Decider
     from clef_cuda.serving.engine import Engine, EngineConfig
-    from clef_cuda.serving.shadow import ShadowConfig
+    from clef_cuda.verification.shadow import ShadowConfig
 
     decider = Decider.from_release(release, device="cpu", dtype=dtype, progress=False, ops=fault, quantize=quantize)
     if fault is not None and fault.kind == "int8_scale_off":

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The healthy differences shadow verification must tolerate: records served by the engine (the fast ops,
 batched, chunked, from the prefix cache) against the same records re-decided on the reference ops
-(clef_cuda.serving.shadow), per release and serving dtype. The tolerances (derived from the dtype's unit
+(clef_cuda.verification.shadow), per release and serving dtype. The tolerances (derived from the dtype's unit
 roundoff, each layer's roundings and, for the head's inputs and fp32's probabilities, the drift each record was
-measured to carry: clef_cuda.serving.shadow) must hold over them with their margin. Tables last: the
+measured to carry: clef_cuda.verification.shadow) must hold over them with their margin. Tables last: the
 probabilities, the head's inputs, the layers.
 
     python benchmarks/shadow_tolerance.py --records 60
@@ -73,7 +73,7 @@ def measure(release_path: Path, requests: list[dict], device: str, dtype: torch.
     tolerance, the worst of each head-input test, each kind of layer's worst local drift."""
     from clef_cuda import Decider
     from clef_cuda.serving.engine import Engine, EngineConfig
-    from clef_cuda.serving.shadow import ShadowConfig
+    from clef_cuda.verification.shadow import ShadowConfig
 
     decider = Decider.from_release(release_path, device=device, dtype=dtype, progress=False)
     config = EngineConfig(max_model_len=8192, kv_fraction=0.05, shadow=ShadowConfig(rate=1.0, mode="warn"))
@@ -112,7 +112,7 @@ def main() -> int:
 
     from clef_cuda.model.config import load_release_config
     from clef_cuda.model.default_model import default_release
-    from clef_cuda.serving.shadow import (
+    from clef_cuda.verification.shadow import (
         FINGERPRINT_FLOOR,
         FINGERPRINT_GAIN,
         FINGERPRINT_MARGIN,
@@ -145,7 +145,9 @@ def main() -> int:
                 layer_rows.append((name, dtype_name, kind, len(values), max(values), statistics.median(values)))
     print(f"\nshadow verification: served (fast ops) vs reference ops, {args.device}, every record shadowed")
     print("probabilities: max |p_served - p_reference| per record, against the record's own tolerance (at least the")
-    print("depth's: clef_cuda.serving.shadow.probability_tolerance; in fp32 from the drift its head inputs carried)")
+    print(
+        "depth's: clef_cuda.verification.shadow.probability_tolerance; in fp32 from the drift its head inputs carried)"
+    )
     header = f"{'release':14s} {'dtype':5s} {'records':>7s} {'worst |dp|':>11s} {'median':>9s} {'depth tol':>10s}"
     print(f"{header} {'worst dp/tol':>12s} {'margin':>7s}  match/marginal/mismatch  seconds")
     for name, dtype_name, count, worst, median, floor, ratio, verdicts, seconds in rows:

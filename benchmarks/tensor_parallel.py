@@ -48,7 +48,7 @@ def main() -> int:
 
     from clef_cuda import Decider
     from clef_cuda.model.config import load_release_config
-    from clef_cuda.serving.tensor_parallel import TensorParallel
+    from clef_cuda.parallel.tensor_parallel import TensorParallel
 
     path = tiny_release()
     rng = random.Random(5)

@@ -33,7 +33,9 @@ def test_op(benchmark, case, impl, request):
     device = torch.device(request.config.getoption("--device"))
     fn = {"ours": case.ours, "reference": case.reference, **case.peers}[impl]
     benchmark.group = f"{case.op} {case.shape}"
-    benchmark.extra_info["implementation"] = {"ours": "clef_cuda.ops", "reference": case.reference_name}.get(impl, impl)
+    benchmark.extra_info["implementation"] = {"ours": "clef_cuda.kernels.ops", "reference": case.reference_name}.get(
+        impl, impl
+    )
     if device.type == "cuda":
 
         def synced():

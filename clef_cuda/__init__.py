@@ -1,7 +1,7 @@
 """clef-cuda: a self-hosted System One server for clef-flash.
 
-Kernels: ``clef_cuda.ops`` (the fast ops, CPU and CUDA) beside ``clef_cuda.reference`` (pure torch, the
-arbiter). The compiled extension is ``clef_cuda._C``; it is imported by ``clef_cuda.ops`` only, so the
+Kernels: ``clef_cuda.kernels.ops`` (the fast ops, CPU and CUDA) beside ``clef_cuda.kernels.reference`` (pure torch, the
+arbiter). The compiled extension is ``clef_cuda._C``; it is imported by ``clef_cuda.kernels.ops`` only, so the
 references work without a build.
 """
 
@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 def build_info() -> dict:
     """What the compiled extension contains: {"variant": "cpu" | "cuda", "cuda_archs": ["7.5", ...] (machine
     code), "cuda_ptx": ["9.0"] (PTX the driver compiles for a card newer than every machine code)}."""
-    from clef_cuda import extension
+    from clef_cuda.kernels import extension
 
     _C = extension.load()  # torch first: it loads libc10/libtorch, which the extension links against
 

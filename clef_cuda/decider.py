@@ -56,11 +56,11 @@ def serving_dtype(device: torch.device, requested: torch.dtype | None = None) ->
     P100, runs f16 at twice its f32 rate and keeps it). ValueError for bf16 on a GPU before sm_80, which has no
     bf16 arithmetic (V100, T4: serve f16). On the CPU, f32 stays the default (the answers nearest the
     reference), bf16 is served where asked, and the line says what the CPU's GEMMs can do with it
-    (clef_cuda.cpu_features): with bf16 dot products (AVX512-BF16, AMX) bf16 GEMMs run at about 2.5x the f32
+    (clef_cuda.kernels.cpu_features): with bf16 dot products (AVX512-BF16, AMX) bf16 GEMMs run at about 2.5x the f32
     rate; without them oneDNN converts in software and bf16 is the slower one."""
     if device.type != "cuda":
-        from clef_cuda import ops
-        from clef_cuda.cpu_features import cpu_gemm_features
+        from clef_cuda.kernels import ops
+        from clef_cuda.kernels.cpu_features import cpu_gemm_features
 
         isa = ops.cpu_isa()
         features = cpu_gemm_features(isa)
@@ -137,7 +137,7 @@ class Decider:
         quantize="int8" stores the trunk's linear layers and embedding tables as int8 with per-row scales
         (W8A16: clef_cuda.model.quantize), quantized as they load. vocab_tables="host" keeps the embedding and
         LM-head tables in pinned host memory, gathered by rows (clef_cuda.model.vocab_tables). `options` are
-        DecisionOptions fields. tensor_parallel: a group of N > 1 ranks (clef_cuda.serving.tensor_parallel
+        DecisionOptions fields. tensor_parallel: a group of N > 1 ranks (clef_cuda.parallel.tensor_parallel
         .TensorParallel: this process is rank 0, on `device`, and it starts the others) to shard the trunk over."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype, _ = serving_dtype(device, dtype)

@@ -40,9 +40,9 @@ def selfcheck_cost():
 
 
 def main() -> int:
-    from clef_cuda import ops, reference
-    from clef_cuda.serving.autotune import TuneTarget, _AttentionCase
-    from clef_cuda.serving.selfcheck import OP_RTOL, run_selfcheck, within
+    from clef_cuda.kernels import ops, reference
+    from clef_cuda.tuning.autotune import TuneTarget, _AttentionCase
+    from clef_cuda.verification.selfcheck import OP_RTOL, run_selfcheck, within
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", default="f16,bf16", help="activation dtypes (bf16 on sm_80+ only)")

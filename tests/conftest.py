@@ -26,7 +26,7 @@ FLA_NAIVE = ROOT / ".oracles" / "fla" / "fla" / "ops" / "gated_delta_rule" / "na
 @dataclass
 class Backend:
     name: str  # "cpu-avx2", "cuda", "sim"
-    ops: object  # clef_cuda.ops.OpLibrary
+    ops: object  # clef_cuda.kernels.ops.OpLibrary
     device: torch.device
 
     @property
@@ -140,8 +140,8 @@ def simulated_cards() -> dict[int, tuple[str, int]]:
 
 
 def cpu_isas() -> list[str]:
-    """The CPU kernel variants this machine runs (clef_cuda.ops.supported_cpu_isas), best first."""
-    from clef_cuda import ops
+    """The CPU kernel variants this machine runs (clef_cuda.kernels.ops.supported_cpu_isas), best first."""
+    from clef_cuda.kernels import ops
 
     return ops.supported_cpu_isas()
 
@@ -152,7 +152,7 @@ BACKENDS = CPU_BACKENDS + ["sim"] + (["cuda"] if cuda_available() else [])
 
 def _make_backend(request, name: str):
     """The backend `name`; a cpu-ISA one runs that variant for the test's duration (then restores)."""
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     if name == "sim":
         yield Backend("sim", request.getfixturevalue("sim_ops"), torch.device("cpu"))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from clef_cuda import ops
+from clef_cuda.kernels import ops
 
 
 class KeyBandZeroedOps:
-    """clef_cuda.ops with the seed's broken conv: the key-channel band of causal_conv1d_fwd comes back zero,
+    """clef_cuda.kernels.ops with the seed's broken conv: the key-channel band of causal_conv1d_fwd comes back zero,
     so every Gated DeltaNet layer's state never moves and the layer returns 0 (the candle-vllm bug)."""
 
     def __init__(self, key_dim: int) -> None:
@@ -24,7 +24,7 @@ class KeyBandZeroedOps:
 
 
 class OpFault:
-    """An op library (clef_cuda.ops by default) with one op replaced by `broken(original, *args, **kwargs)`:
+    """An op library (clef_cuda.kernels.ops by default) with one op replaced by `broken(original, *args, **kwargs)`:
     the injected faults the self-check's tests must catch."""
 
     def __init__(self, name: str, broken, base=ops) -> None:
@@ -43,7 +43,7 @@ def with_fault(library, name: str, broken):
 
 
 class LongContextFaultOps:
-    """clef_cuda.ops with paged_attention wrong only past `threshold` context tokens (its output scaled by
+    """clef_cuda.kernels.ops with paged_attention wrong only past `threshold` context tokens (its output scaled by
     1.5 for every sequence of a call whose longest context is longer): a fault the start-up self-check,
     whose contexts are short, cannot see, and shadow verification must."""
 
@@ -61,7 +61,7 @@ class LongContextFaultOps:
 
 
 class LayerFaultOps:
-    """clef_cuda.ops (or `base`) wrong in one layer only, the ways a kernel can go wrong and the shadow's layer
+    """clef_cuda.kernels.ops (or `base`) wrong in one layer only, the ways a kernel can go wrong and the shadow's layer
     fingerprints must see and name (benchmarks/shadow_power.py measures the smallest each catches). The trunk
     calls each op in the same order every step, so the k-th call of an op within a step is the k-th layer that
     calls it; a step starts at the first layer's input norm (add_rms_norm without a residual to add).

@@ -22,7 +22,8 @@ from faults import KeyBandZeroedOps, OpFault
 from app.cli import main
 from clef_cuda.decider import Decider
 from clef_cuda.model.config import load_release_config
-from clef_cuda.serving import tensor_parallel, trial
+from clef_cuda.parallel import tensor_parallel
+from clef_cuda.tuning import trials as trial
 
 _load = Decider.from_release.__func__
 
@@ -36,7 +37,7 @@ def _sticky_when_armed(original, *args, **kwargs):
 def _reference_oom_when_armed():
     import torch
 
-    from clef_cuda import reference
+    from clef_cuda.kernels import reference
 
     healthy = reference.paged_attention
 
@@ -52,7 +53,7 @@ def _near_tolerance_when_armed():
     """While armed, the shadow judges each record with its probability tolerance at half the record's healthy
     difference: the record lands just past it, every layer matched. The record's own tolerance is the one judged
     (ShadowResult.tolerance; the verifier's is only the fallback): setting the verifier's alone fired nothing."""
-    from clef_cuda.serving.shadow import ShadowVerifier
+    from clef_cuda.verification.shadow import ShadowVerifier
 
     judge = ShadowVerifier._judge
 

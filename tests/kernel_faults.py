@@ -107,7 +107,7 @@ def dequantize(sim_ops) -> None:
     """tests/test_quantize.py's exact comparison of dequantize_int8."""
     from test_quantize import random_int8
 
-    from clef_cuda import reference
+    from clef_cuda.kernels import reference
 
     q, scale = random_int8(5, 32, "cpu")
     assert torch.equal(sim_ops.dequantize_int8(q, scale), reference.dequantize_int8(q, scale))
@@ -118,7 +118,7 @@ def int8_linear(sim_ops) -> None:
     column tiles."""
     from test_quantize import int8_linear_case, linear_close
 
-    from clef_cuda import reference
+    from clef_cuda.kernels import reference
 
     for rows, features_in, features_out in ((3, 256, 64), (16, 300, 200)):
         x, q, scale = int8_linear_case(rows, features_in, features_out, torch.float32, "cpu")

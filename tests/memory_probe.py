@@ -93,7 +93,7 @@ def vision(hidden: int, intermediate: int, heads: int, depth: int, grid_h: int, 
 
 
 def load(release: str, quantize: str) -> dict:
-    import clef_cuda.ops  # noqa: F401  (the extension and torch's libraries: part of the baseline)
+    import clef_cuda.kernels.ops  # noqa: F401  (the extension and torch's libraries: part of the baseline)
     from clef_cuda import Decider
 
     holder = {}
@@ -108,7 +108,7 @@ def _expanded_attention(query, key_cache, value_cache, cu_seqlens_q, context_len
     its query heads in fp32 and a masked copy of all heads' scores beside their probabilities."""
     import torch
 
-    from clef_cuda.reference import gather_context
+    from clef_cuda.kernels.reference import gather_context
 
     group = query.shape[1] // key_cache.shape[2]
     (ctx,) = context_lens.tolist()
@@ -128,8 +128,8 @@ def shadow_attention(num_q_heads: int, num_kv_heads: int, head_dim: int, context
 
     import torch
 
-    from clef_cuda import reference
-    from clef_cuda.serving.shadow import shadow_chunk_tokens, shadow_scores_bytes
+    from clef_cuda.kernels import reference
+    from clef_cuda.verification.shadow import shadow_chunk_tokens, shadow_scores_bytes
 
     torch.set_num_threads(1)
     config = SimpleNamespace(num_attention_heads=num_q_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim)

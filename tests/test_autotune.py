@@ -1,4 +1,4 @@
-"""The start-up autotune (clef_cuda.serving.autotune): with injected timings it picks the fastest candidate per
+"""The start-up autotune (clef_cuda.tuning.autotune): with injected timings it picks the fastest candidate per
 bucket, never one that failed its check or raised; it reuses its cache and ignores one from another device
 or version; a batch runs its nearest bucket's choice; decisions agree with the reference whichever candidate
 runs; /ready and /metrics show the choices; the SDPA candidate against the reference on awkward packs."""
@@ -20,11 +20,13 @@ from releases import mid_release, tiny_release
 from test_paged_attention import cu_seqlens_of, fill_context, make_cache
 
 from app.server import ServerSettings, create_app
-from clef_cuda import Decider, reference
+from clef_cuda import Decider
+from clef_cuda.kernels import reference
+from clef_cuda.kernels.sdpa import paged_attention_sdpa
 from clef_cuda.model.default_model import default_release
-from clef_cuda.sdpa import paged_attention_sdpa
-from clef_cuda.serving import autotune as tuning
 from clef_cuda.serving.engine import Engine, EngineConfig
+from clef_cuda.tuning import autotune as tuning
+from clef_cuda.tuning import tunes
 
 CONFIG = EngineConfig(max_model_len=4096, kv_fraction=0.05, prefill_chunk_size=256, max_num_seqs=2)
 
@@ -41,7 +43,7 @@ def fake_timings(monkeypatch, ms_by_candidate: dict[str, float]) -> None:
         fn()
         return ms_by_candidate[candidate]
 
-    monkeypatch.setattr(tuning, "_median_ms", median)
+    monkeypatch.setattr(tunes, "_median_ms", median)
 
 
 def test_the_fastest_candidate_is_chosen_for_every_bucket(tiny, monkeypatch):
@@ -54,7 +56,7 @@ def test_the_fastest_candidate_is_chosen_for_every_bucket(tiny, monkeypatch):
 
 
 def test_a_candidate_that_fails_its_check_or_raises_is_never_chosen(tiny, monkeypatch):
-    real = tuning.attention_candidates
+    real = tunes.attention_candidates
 
     def with_bad_ones(trunk):
         found = real(trunk)
@@ -67,7 +69,7 @@ def test_a_candidate_that_fails_its_check_or_raises_is_never_chosen(tiny, monkey
 
         return found | {"wrong": wrong, "raises": raises}
 
-    monkeypatch.setattr(tuning, "attention_candidates", with_bad_ones)
+    monkeypatch.setattr(tunes, "attention_candidates", with_bad_ones)
     # The broken ones would be the fastest: only their checks keep them out.
     fake_timings(monkeypatch, {"wrong": 0.1, "raises": 0.1, "ours": 5.0, "sdpa-flash": 6.0, "sdpa-math": 7.0})
     report = tuning.autotune(tiny.trunk, CONFIG, "fast", None)
@@ -79,20 +81,20 @@ def test_a_candidate_that_fails_its_check_or_raises_is_never_chosen(tiny, monkey
 def test_the_cache_is_reused_and_another_devices_is_ignored(tiny, tmp_path, monkeypatch):
     first = tuning.autotune(tiny.trunk, CONFIG, "fast", tmp_path)
     assert not first.cached and len(list(tmp_path.glob("autotune-*.json"))) == 1
-    monkeypatch.setattr(tuning, "_median_ms", lambda *a: pytest.fail("timed although cached"))
+    monkeypatch.setattr(tunes, "_median_ms", lambda *a: pytest.fail("timed although cached"))
     again = tuning.autotune(tiny.trunk, CONFIG, "fast", tmp_path)
     assert again.cached and again.choices == first.choices
     (path,) = tmp_path.glob("autotune-*.json")
     data = json.loads(path.read_text())
     data["key"]["torch"] = "0.0.1"  # another version's file under this key's name: ignored, tuned again
     path.write_text(json.dumps(data))
-    monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate, **_: 1.0)
+    monkeypatch.setattr(tunes, "_median_ms", lambda fn, repeats, device, candidate, **_: 1.0)
     assert not tuning.autotune(tiny.trunk, CONFIG, "fast", tmp_path).cached
-    other = tuning.cache_key(tiny.trunk, CONFIG, "fast", tuning.attention_buckets("fast", 2, 256, 4096))
+    other = tuning.cache_key(tiny.trunk, CONFIG, "fast", tunes.attention_buckets("fast", 2, 256, 4096))
     assert tuning.cache_file(tmp_path, other | {"device": "another cpu"}) != path
     # The GEMMs capped below the CPU's bf16 dot products (ONEDNN_MAX_CPU_ISA): another key, tuned again.
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
-    capped = tuning.cache_key(tiny.trunk, CONFIG, "fast", tuning.attention_buckets("fast", 2, 256, 4096))
+    capped = tuning.cache_key(tiny.trunk, CONFIG, "fast", tunes.attention_buckets("fast", 2, 256, 4096))
     assert capped["gemm"] == "no bf16 dot products, no int8 dot products"
     assert capped == other | {"gemm": capped["gemm"]}  # the same key but for the GEMMs' features
     if other["gemm"] != capped["gemm"]:  # a CPU with bf16 or int8 dot products: its own file
@@ -100,12 +102,12 @@ def test_the_cache_is_reused_and_another_devices_is_ignored(tiny, tmp_path, monk
 
 
 def test_a_batch_runs_its_nearest_buckets_choice():
-    buckets = tuning.attention_buckets("fast", 4, 1024, 16384)
+    buckets = tunes.attention_buckets("fast", 4, 1024, 16384)
     names = {b.name for b in buckets}
     assert {"prefill 1k", "prefill 4k", "prefill 16k", "prefill 1k x4", "chunk 64 after 4k", "decode 1k x4"} == names
 
     def nearest(q_lens, contexts):
-        return tuning.nearest_bucket(buckets, tuple(q_lens), tuple(contexts)).name
+        return tunes.nearest_bucket(buckets, tuple(q_lens), tuple(contexts)).name
 
     assert nearest([1024], [1024]) == "prefill 1k" and nearest([700], [6000]) == "prefill 4k"
     assert nearest([512], [30000]) == "prefill 16k" and nearest([256, 256, 100], [300, 600, 100]) == "prefill 1k x4"
@@ -123,8 +125,8 @@ def test_decisions_agree_with_the_reference_whichever_candidate_runs(release):
     jsm, model, processor = reference_model(path)
     requests = [random_request(random.Random(seed), state_words=(50, 300)) for seed in range(3)]
     expected = [reference_probabilities(jsm, model, processor, r)[1] for r in requests]
-    for candidate in tuning.attention_candidates(decider.trunk):
-        policy = tuning.attention_candidates(decider.trunk)[candidate]
+    for candidate in tunes.attention_candidates(decider.trunk):
+        policy = tunes.attention_candidates(decider.trunk)[candidate]
         decider.trunk.attention_choice = lambda batch, impl=policy: impl
         for request, want in zip(requests, expected, strict=True):
             got = decider.probabilities(decider.encode(request))
@@ -148,7 +150,7 @@ def test_ready_and_metrics_show_the_choices(tiny):
 def test_the_modes_the_cli_offers_are_the_autotunes():
     from app.cli import AUTOTUNE_MODES
 
-    assert AUTOTUNE_MODES == tuning.AUTOTUNE_MODES
+    assert AUTOTUNE_MODES == tunes.AUTOTUNE_MODES
     with pytest.raises(ValueError, match="--autotune must be one of"):
         tuning.autotune(None, CONFIG, "sometimes")
 
@@ -212,7 +214,7 @@ def test_int8_linear_takes_the_faster_checked_candidate_per_step_size_and_answer
 
 def test_past_the_budget_the_remaining_buckets_keep_ours_untimed(tiny, monkeypatch):
     """Start-up stays bounded on a slow device: once the mode's budget is spent, no more timing."""
-    monkeypatch.setitem(tuning.BUDGET_SECONDS, "fast", 0.0)
+    monkeypatch.setitem(tunes.BUDGET_SECONDS, "fast", 0.0)
     fake_timings(monkeypatch, {"ours": 5.0, "sdpa-flash": 1.0, "sdpa-math": 9.0})
     report = tuning.autotune(tiny.trunk, CONFIG, "fast", None)
     assert set(report.choices["paged_attention"].values()) == {"ours"}
@@ -222,7 +224,7 @@ def test_past_the_budget_the_remaining_buckets_keep_ours_untimed(tiny, monkeypat
 
 def test_ours_runs_on_the_trunks_own_op_library(monkeypatch):
     """A trunk built on another op library (a fault-injected one, the simulator) keeps it when the autotune
-    chooses ours: the policy never swaps in clef_cuda.ops behind its back."""
+    chooses ours: the policy never swaps in clef_cuda.kernels.ops behind its back."""
     from faults import OpFault
 
     calls = []
@@ -245,7 +247,7 @@ def test_each_bucket_runs_its_own_choice(tiny, monkeypatch):
     """Timings that differ by bucket give choices that differ by bucket, and a batch runs its nearest bucket's:
     a prefill chunk the candidate fastest at prefill, a short chunk after a long prefix the one fastest there."""
 
-    real_case = tuning._AttentionCase.of
+    real_case = tunes._AttentionCase.of
 
     def case_of(target, bucket, block_size, generator):
         case = real_case(target, bucket, block_size, generator)
@@ -260,16 +262,16 @@ def test_each_bucket_runs_its_own_choice(tiny, monkeypatch):
         fastest = {"prefill": "sdpa-flash", "chunk": "sdpa-math", "decode": "ours"}[kind]
         return 1.0 if candidate == fastest else 5.0
 
-    real_run = tuning._AttentionCase.run
+    real_run = tunes._AttentionCase.run
 
     def run(self, impl):
         if hasattr(self, "bucket"):
             timed_bucket["now"] = self.bucket
         return real_run(self, impl)
 
-    monkeypatch.setattr(tuning._AttentionCase, "of", staticmethod(case_of))
-    monkeypatch.setattr(tuning._AttentionCase, "run", run)
-    monkeypatch.setattr(tuning, "_median_ms", median_by_bucket)
+    monkeypatch.setattr(tunes._AttentionCase, "of", staticmethod(case_of))
+    monkeypatch.setattr(tunes._AttentionCase, "run", run)
+    monkeypatch.setattr(tunes, "_median_ms", median_by_bucket)
     config = EngineConfig(max_model_len=4096, kv_fraction=0.05, prefill_chunk_size=256, max_num_seqs=2)
     report = tuning.autotune(tiny.trunk, config, "fast", None)
     choices = report.choices["paged_attention"]
@@ -287,7 +289,7 @@ def test_each_bucket_runs_its_own_choice(tiny, monkeypatch):
         ((256, 1024), "prefill", "sdpa-flash"),
         ((64, 4000), "chunk", "sdpa-math"),
     ):
-        bucket = tuning.nearest_bucket(policy.buckets, (q_len,), (context,))
+        bucket = tunes.nearest_bucket(policy.buckets, (q_len,), (context,))
         assert bucket.kind == kind and choices[bucket.name] == expected
         assert policy(batch(q_len, context)) is policy.impl[bucket.name]
     assert policy(batch(256, 1024)) is not policy(batch(64, 4000))
@@ -296,7 +298,7 @@ def test_each_bucket_runs_its_own_choice(tiny, monkeypatch):
 def test_a_candidate_wrong_only_at_long_contexts_is_rejected_there_and_chosen_elsewhere(tiny, monkeypatch):
     """Checked at every bucket against ours: a candidate right on the small verification pack and at 1k but
     wrong past 2k of context fails its check at those buckets only, and is never chosen for them."""
-    real = tuning.attention_candidates
+    real = tunes.attention_candidates
 
     def with_long_fault(trunk):
         found = real(trunk)
@@ -307,14 +309,14 @@ def test_a_candidate_wrong_only_at_long_contexts_is_rejected_there_and_chosen_el
 
         return found | {"wrong-long": wrong_when_long}
 
-    monkeypatch.setattr(tuning, "attention_candidates", with_long_fault)
+    monkeypatch.setattr(tunes, "attention_candidates", with_long_fault)
     fake_timings(monkeypatch, {"wrong-long": 0.1, "ours": 5.0, "sdpa-flash": 6.0, "sdpa-math": 7.0})
     config = EngineConfig(max_model_len=4096, kv_fraction=0.05, prefill_chunk_size=256, max_num_seqs=2)
     report = tuning.autotune(tiny.trunk, config, "fast", None)
     rejected = {
         r.bucket for r in report.rows if r.candidate == "wrong-long" and r.status.startswith("failed its check")
     }
-    long_buckets = {b.name for b in tuning.attention_buckets("fast", 2, 256, 4096) if b.context > 2048}
+    long_buckets = {b.name for b in tunes.attention_buckets("fast", 2, 256, 4096) if b.context > 2048}
     assert rejected == long_buckets
     choices = report.choices["paged_attention"]
     assert all(choices[b] != "wrong-long" for b in long_buckets)
@@ -347,31 +349,31 @@ def test_without_a_driver_the_version_is_unknown_not_an_error(tmp_path):
 
 
 # ---- the delta rule's kernels: the simulator's op library stands in for a GPU's (it runs the CUDA kernels) ----
-def sim_target(sim_ops, tiny) -> tuning.TuneTarget:
+def sim_target(sim_ops, tiny) -> tunes.TuneTarget:
     """clef-tiny's delta-net shapes (2 key heads, 4 value heads, head dim 16) in f16 on the simulated GPU."""
-    return tuning.TuneTarget(sim_ops, tiny.trunk.config, torch.device("cpu"), torch.float16)
+    return tunes.TuneTarget(sim_ops, tiny.trunk.config, torch.device("cpu"), torch.float16)
 
 
 STEPS = SimpleNamespace(max_num_seqs=2, prefill_chunk_size=32)  # small steps: the simulator runs them
 
 
 def test_the_delta_rule_kernels_are_checked_then_the_faster_runs_per_bucket(sim_ops, tiny, monkeypatch):
-    assert [b.name for b in tuning.delta_rule_buckets(STEPS)] == ["32 x1", "16 x2"]
-    big = tuning.delta_rule_buckets(SimpleNamespace(max_num_seqs=4, prefill_chunk_size=1024))
+    assert [b.name for b in tunes.delta_rule_buckets(STEPS)] == ["32 x1", "16 x2"]
+    big = tunes.delta_rule_buckets(SimpleNamespace(max_num_seqs=4, prefill_chunk_size=1024))
     assert [b.name for b in big] == ["64 x1", "1024 x1", "256 x4", "16 x4"]
     injected = iter([3.0, 1.0, 1.0, 2.0])  # (serial, chunked) per bucket, in bucket order
-    monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate, **_: next(injected))
-    report = tuning.AutotuneReport("fast", {})
-    tuning.tune_delta_rule(sim_target(sim_ops, tiny), STEPS, "fast", report)
+    monkeypatch.setattr(tunes, "_median_ms", lambda fn, repeats, device, candidate, **_: next(injected))
+    report = tunes.AutotuneReport("fast", {})
+    tunes.tune_delta_rule(sim_target(sim_ops, tiny), STEPS, "fast", report)
     choices = report.choices["gated_delta_rule_chunk"]
     assert choices == {"32 x1": "chunked", "16 x2": "serial"}
     assert not [r for r in report.rows if r.bucket == "verify"], report.table()  # both passed their checks
 
-    policy = tuning.DeltaRulePolicy(tuning.delta_rule_buckets(STEPS), choices)
+    policy = tunes.DeltaRulePolicy(tunes.delta_rule_buckets(STEPS), choices)
     assert policy(SimpleNamespace(q_lens=(64,))) == "chunked" and policy(SimpleNamespace(q_lens=(1000,))) == "chunked"
     assert policy(SimpleNamespace(q_lens=(9, 20))) == "serial" and policy(SimpleNamespace(q_lens=())) == "auto"
-    nearest = tuning.nearest_delta_rule_bucket(big, (200, 300, 250))
-    assert nearest.name == "256 x4" and tuning.nearest_delta_rule_bucket(big, (700,)).name == "1024 x1"
+    nearest = tunes.nearest_delta_rule_bucket(big, (200, 300, 250))
+    assert nearest.name == "256 x4" and tunes.nearest_delta_rule_bucket(big, (700,)).name == "1024 x1"
 
 
 def test_a_delta_rule_kernel_that_fails_its_check_is_never_chosen(sim_ops, tiny, monkeypatch):
@@ -379,19 +381,19 @@ def test_a_delta_rule_kernel_that_fails_its_check_is_never_chosen(sim_ops, tiny,
     reference fails, and every bucket runs the serial kernel."""
     from conftest import simulated
 
-    monkeypatch.setattr(tuning, "_median_ms", lambda fn, repeats, device, candidate, **_: 1.0)
-    report = tuning.AutotuneReport("fast", {})
+    monkeypatch.setattr(tunes, "_median_ms", lambda fn, repeats, device, candidate, **_: 1.0)
+    report = tunes.AutotuneReport("fast", {})
     with simulated(fault="gdr_state_not_carried"):
-        tuning.tune_delta_rule(sim_target(sim_ops, tiny), STEPS, "fast", report)
+        tunes.tune_delta_rule(sim_target(sim_ops, tiny), STEPS, "fast", report)
     verify = [(r.candidate, r.status) for r in report.rows if r.bucket == "verify"]
     assert verify == [("chunked", "failed its check: the reference")], report.table()
     assert set(report.choices["gated_delta_rule_chunk"].values()) == {"serial"}
 
 
 def test_the_cpu_has_one_delta_rule_and_nothing_to_tune(tiny):
-    report = tuning.AutotuneReport("fast", {})
-    target = tuning.TuneTarget(tiny.trunk.ops, tiny.trunk.config, torch.device("cpu"), torch.float32)
-    tuning.tune_delta_rule(target, STEPS, "fast", report)
+    report = tunes.AutotuneReport("fast", {})
+    target = tunes.TuneTarget(tiny.trunk.ops, tiny.trunk.config, torch.device("cpu"), torch.float32)
+    tunes.tune_delta_rule(target, STEPS, "fast", report)
     assert report.rows == [] and "gated_delta_rule_chunk" not in report.choices
 
 
@@ -400,14 +402,14 @@ def test_install_gives_the_trunk_the_delta_rule_choices_its_failures_allow(tiny)
     saved = trunk.ops, trunk.attention_choice, trunk.delta_rule_choice
     try:
         choices = {"gated_delta_rule_chunk": {"32 x1": "chunked", "16 x2": "serial"}}
-        tuning.install(trunk, tuning.AutotuneReport("fast", {}, choices=choices), [], None, STEPS)
+        tuning.install(trunk, tunes.AutotuneReport("fast", {}, choices=choices), [], None, STEPS)
         assert trunk.delta_rule_choice(SimpleNamespace(q_lens=(80,))) == "chunked"
         trunk.ops.mark_failed("gated_delta_rule_chunk:chunked", "could not launch: no kernel image")
         assert trunk.delta_rule_choice(SimpleNamespace(q_lens=(80,))) == "auto"  # failed while serving: steered
         failed = {"gated_delta_rule_chunk:chunked": "crashed its trial"}
-        tuning.install(trunk, tuning.AutotuneReport("fast", {}, choices=choices, failures=failed), [], None, STEPS)
+        tuning.install(trunk, tunes.AutotuneReport("fast", {}, choices=choices, failures=failed), [], None, STEPS)
         assert trunk.delta_rule_choice(SimpleNamespace(q_lens=(80,))) == "serial"  # the only choice left
-        tuning.install(trunk, tuning.AutotuneReport("fast", {}), [], None, STEPS)
+        tuning.install(trunk, tunes.AutotuneReport("fast", {}), [], None, STEPS)
         assert trunk.delta_rule_choice is None  # untuned: the op's own rule ("auto")
     finally:
         trunk.ops, trunk.attention_choice, trunk.delta_rule_choice = saved

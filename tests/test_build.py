@@ -133,7 +133,7 @@ def test_the_installed_metadata_pins_the_torch_it_was_built_against():
 
     import torch
 
-    from clef_cuda import extension
+    from clef_cuda.kernels import extension
 
     assert f"torch=={version('torch')}" in requires("clef-cuda")
     assert extension.built_with_torch() == torch.__version__
@@ -147,7 +147,7 @@ def test_an_extension_built_against_another_torch_is_a_one_line_import_error():
 
     pretend = "import torch; torch.__version__ = '2.99.0+other'; "
     result = subprocess.run(
-        [sys.executable, "-c", pretend + "import clef_cuda.ops"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", pretend + "import clef_cuda.kernels.ops"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]

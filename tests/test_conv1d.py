@@ -7,7 +7,7 @@ import torch
 from conftest import TOLERANCE, qwen35_module, rel_err
 from packing import cu_seqlens_of, nan_like, slot_plan, strided
 
-from clef_cuda import reference
+from clef_cuda.kernels import reference
 
 WIDTH = 4
 PACKS = {
@@ -169,7 +169,7 @@ def _good_args(device="cpu"):
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, error, words):
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     args = _good_args() | change
     with pytest.raises(error) as info:
@@ -179,7 +179,7 @@ def test_bad_arguments_raise_clear_errors(change, error, words):
 
 
 def test_bad_out_and_mixed_devices():
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     args = _good_args()
     with pytest.raises(TypeError, match="out must be Float"):

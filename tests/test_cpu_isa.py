@@ -1,5 +1,5 @@
 """The CPU kernels' instruction-set variants (csrc/common/cpu_kernel.h): which ones this machine runs, the
-switch (clef_cuda.ops.set_cpu_isa, CLEF_CPU_ISA) and its errors, and decisions under every variant.
+switch (clef_cuda.kernels.ops.set_cpu_isa, CLEF_CPU_ISA) and its errors, and decisions under every variant.
 
 The kernel tests run each op under every variant this machine can run (tests/conftest.py: the
 cpu-avx512 / cpu-avx2 / cpu-baseline backends), so CI on an AVX-512 machine covers the AVX2 register
@@ -17,7 +17,8 @@ import pytest
 from random_requests import random_request
 from releases import mid_release
 
-from clef_cuda import Decider, ops
+from clef_cuda import Decider
+from clef_cuda.kernels import ops
 
 ISAS = ("avx512", "avx2", "baseline")
 # Variants sum in other orders (register blocks of other widths): fp32 probabilities differ by rounding.
@@ -57,7 +58,7 @@ def _python(code: str, isa: str) -> subprocess.CompletedProcess:
 
 
 def test_the_environment_variable_pins_the_variant_for_the_process():
-    result = _python("from clef_cuda import ops; print(ops.cpu_isa())", "baseline")
+    result = _python("from clef_cuda.kernels import ops; print(ops.cpu_isa())", "baseline")
     assert result.returncode == 0 and result.stdout.strip() == "baseline", result.stderr
 
 
@@ -66,7 +67,8 @@ DECIDE_AND_COUNT = """
 import json, random, sys
 sys.path.insert(0, sys.argv[2])
 from random_requests import random_request
-from clef_cuda import Decider, ops
+from clef_cuda import Decider
+from clef_cuda.kernels import ops
 mid = Decider.from_release(sys.argv[1], device="cpu", progress=False, chunk_size=128)
 before = ops.cpu_isa_calls()
 mid.probabilities(mid.encode(random_request(random.Random(1), state_words=(200, 300))))
@@ -98,7 +100,7 @@ def test_clef_serve_refuses_a_bad_variable_in_one_line_with_exit_2():
     assert line.startswith("clef-serve: error: CLEF_CPU_ISA=sse4:") and "avx2" in line
 
 
-# ---- the GEMMs' features (clef_cuda.cpu_features): what torch's oneDNN may use beside our kernels -------------
+# ---- the GEMMs' features (clef_cuda.kernels.cpu_features): what torch's oneDNN may use beside our kernels --------
 # /proc/cpuinfo's first processor as three server CPUs and a desktop one print it (flags verbatim, wrapped here).
 SAPPHIRE_RAPIDS_FLAGS = """fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush dts acpi mmx
 fxsr sse sse2 ss ht tm pbe syscall nx pdpe1gb rdtscp lm constant_tsc art arch_perfmon pebs bts rep_good nopl xtopology
@@ -159,8 +161,8 @@ def cpuinfo_text(model: str, flags: str) -> str:
 
 @pytest.fixture
 def cpuinfo(tmp_path, monkeypatch):
-    """use(machine): clef_cuda.cpu_features reads that machine's /proc/cpuinfo (a file of ours) from then on."""
-    from clef_cuda import cpu_features
+    """use(machine): clef_cuda.kernels.cpu_features reads that machine's /proc/cpuinfo (a file of ours) from then on."""
+    from clef_cuda.kernels import cpu_features
 
     def use(machine: str) -> None:
         path = tmp_path / "cpuinfo"
@@ -202,7 +204,7 @@ GEMM_FEATURES = [
 
 @pytest.mark.parametrize(("machine", "isa", "onednn_cap", "expected"), GEMM_FEATURES)
 def test_the_gemm_features_of_known_cpus(cpuinfo, monkeypatch, machine, isa, onednn_cap, expected):
-    from clef_cuda.cpu_features import cpu_flags, cpu_gemm_features
+    from clef_cuda.kernels.cpu_features import cpu_flags, cpu_gemm_features
 
     cpuinfo(machine)
     if onednn_cap is None:
@@ -215,7 +217,7 @@ def test_the_gemm_features_of_known_cpus(cpuinfo, monkeypatch, machine, isa, one
 
 
 def test_the_first_processor_names_the_model_and_describes_its_features(cpuinfo, monkeypatch):
-    from clef_cuda.cpu_features import cpu_gemm_features, cpu_model
+    from clef_cuda.kernels.cpu_features import cpu_gemm_features, cpu_model
 
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     cpuinfo("amx only")
@@ -237,9 +239,9 @@ def test_the_first_processor_names_the_model_and_describes_its_features(cpuinfo,
     ],
 )
 def test_a_clef_cpu_isa_pin_caps_what_the_gemms_report(cpuinfo, monkeypatch, machine, pin, expected):
-    """CLEF_CPU_ISA's caps (cap_library_gemms, as clef_cuda.ops.apply_cpu_isa_env sets them for the process) and
+    """CLEF_CPU_ISA's caps (cap_library_gemms, as clef_cuda.kernels.ops.apply_cpu_isa_env sets them for the process) and
     the pinned kernel level together: what a CPU of that level would have."""
-    from clef_cuda.cpu_features import cap_library_gemms, cpu_gemm_features
+    from clef_cuda.kernels.cpu_features import cap_library_gemms, cpu_gemm_features
 
     cpuinfo(machine)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
@@ -253,7 +255,7 @@ def test_a_clef_cpu_isa_pin_caps_what_the_gemms_report(cpuinfo, monkeypatch, mac
 
 
 def test_a_pinned_level_caps_the_libraries_unless_they_are_set():
-    from clef_cuda.cpu_features import cap_library_gemms
+    from clef_cuda.kernels.cpu_features import cap_library_gemms
 
     environ = {"MKL_ENABLE_INSTRUCTIONS": "AVX512"}
     assert cap_library_gemms("avx2", environ) == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -266,8 +268,8 @@ def test_the_cpu_serves_f32_unless_told_and_says_what_bf16_does_there(monkeypatc
     slower where they convert in software; bf16 is served where asked either way."""
     import torch
 
-    from clef_cuda import cpu_features
     from clef_cuda.decider import serving_dtype
+    from clef_cuda.kernels import cpu_features
 
     cpu = torch.device("cpu")
     with_bf16 = cpu_features.CpuGemmFeatures(bf16="avx512_bf16", int8="avx512_vnni")
@@ -289,8 +291,8 @@ def test_the_cpu_serves_f32_unless_told_and_says_what_bf16_does_there(monkeypatc
 # the ISA oneDNN ran at.
 GEMMS = """
 import json, torch
-from clef_cuda import ops
-from clef_cuda.cpu_features import cpu_gemm_features
+from clef_cuda.kernels import ops
+from clef_cuda.kernels.cpu_features import cpu_gemm_features
 x, w = torch.randn(64, 64), torch.randn(64, 64)
 torch.nn.functional.linear(x.bfloat16(), w.bfloat16())
 torch._C._nn.mkldnn_linear(x.to_mkldnn(), w, None)
@@ -341,7 +343,7 @@ def mid():
 def test_every_variant_decides_alike(mid):
     """The same records under each variant: probabilities within fp32 rounding of each other, and the
     self-check passes under each and names the variant it checked."""
-    from clef_cuda.serving.selfcheck import run_selfcheck
+    from clef_cuda.verification.selfcheck import run_selfcheck
 
     records = [mid.encode(random_request(random.Random(seed), state_words=(200, 400))) for seed in range(3)]
     by_isa = {}

@@ -17,7 +17,7 @@ from conftest import (
 )
 from packing import cu_seqlens_of, nan_like, slot_plan
 
-from clef_cuda import reference
+from clef_cuda.kernels import reference
 
 # (lengths, [(Hk, Hv, Dk, Dv), ...]) per backend; the CUDA kernels take Dk == Dv in {16, 32, 64, 128}.
 # (key heads, value heads, dk, dv): clef-flash's 2 value heads a key head, clef 27B's 3 (16 / 48 x 128).
@@ -229,7 +229,7 @@ def _good_args():
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, error, words):
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     with pytest.raises(error) as info:
         ops.gated_delta_rule_chunk(**(_good_args() | change))
@@ -335,7 +335,7 @@ def check_state_variants(backend, dtype, variants=None, naive=None) -> None:
     a pack of 1, 2 and 3 chunks (tails) with initial states, the self-check's gates (every row of a chunk carries
     weight) against the fp32 reference, outputs and states; and with `naive` (FLA's oracle) a 150-token sequence
     against its chunked and recurrent forms too."""
-    from clef_cuda.serving.selfcheck import delta_rule_gates
+    from clef_cuda.verification.selfcheck import delta_rule_gates
 
     generator = torch.Generator().manual_seed(5)
     for variant in variants or ("s16", "s32", "s64", "d64", "d128"):
@@ -546,7 +546,7 @@ def test_the_dispatch_rule_on_the_simulated_device(sim_ops):
 
 
 def test_a_forced_cuda_kernel_on_cpu_tensors_is_refused():
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     args = _good_args()
     with pytest.raises(ValueError, match="picks a CUDA kernel"):

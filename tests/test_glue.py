@@ -1,5 +1,5 @@
 """The trunk's fused glue ops (csrc/glue: residual add + RMSNorm, SiLU(gate) x up, the gated RMSNorm, q/k
-RMSNorm + RoPE, the sigmoid gate) against clef_cuda.reference on awkward shapes (odd widths, one row,
+RMSNorm + RoPE, the sigmoid gate) against clef_cuda.kernels.reference on awkward shapes (odd widths, one row,
 strided views as the trunk passes them, a partial rotary dim, M-RoPE-like per-token angles), on every
 backend: the CPU variants, the CUDA simulator and (when present) the GPU. Each CUDA kernel's test-only
 fault fails these comparisons; the trunk with the fused ops answers as the one on the references."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import TOLERANCE, simulated
 
-from clef_cuda import reference
+from clef_cuda.kernels import reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -171,7 +171,7 @@ def test_in_place_is_right(backend, op, dtype):
 def test_a_partial_overlap_is_refused_naming_both():
     """An output that overlaps an input other than as the input itself would race on a GPU (a thread reads
     what another already wrote): a ValueError naming the two, before any launch."""
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     gate_up = torch.randn(4, 16)
     with pytest.raises(ValueError, match="silu_mul: out overlaps gate_up in memory"):
@@ -209,7 +209,7 @@ def test_each_kernel_fault_fails_its_comparison(sim_ops, fault):
 
 
 def test_argument_errors_name_the_argument():
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     with pytest.raises(ValueError, match="gate_up's width must be even"):
         ops.silu_mul(torch.randn(2, 5))
@@ -224,7 +224,7 @@ def test_argument_errors_name_the_argument():
 
 
 def test_opcheck():
-    from clef_cuda import ops  # noqa: F401  (registers the ops)
+    from clef_cuda.kernels import ops  # noqa: F401  (registers the ops)
 
     x = torch.randn(3, 16)
     args = {

@@ -164,7 +164,7 @@ def load_selfcheck_cost():
 def test_the_flash_shape_self_check_exits_1_when_a_check_fails(monkeypatch, capsys):
     from dataclasses import replace
 
-    from clef_cuda.serving.selfcheck import Check, SelfCheckReport
+    from clef_cuda.verification.selfcheck import Check, SelfCheckReport
 
     module = load_selfcheck_cost()
     small = replace(

@@ -1,4 +1,4 @@
-"""A kernel that faults must never take the server down (clef_cuda.serving.trial, guarded_ops): every kernel
+"""A kernel that faults must never take the server down (clef_cuda.tuning.trials, guarded_ops): every kernel
 first runs in a trial process, and one that crashes, hangs or leaves a sticky CUDA error there is recorded as
 failed, never run by the server, and its op answered by the reference; a fault that still reaches the serving
 process is named by kernel, recorded, and the process exits so its supervisor restarts it without that kernel.
@@ -24,12 +24,14 @@ from parity import PARITY_BOUND, assert_answers_match, reference_response
 from random_requests import random_request
 from releases import reference_model, tiny_release
 
-from clef_cuda import Decider, reference
-from clef_cuda.serving import autotune as tuning
-from clef_cuda.serving import trial
-from clef_cuda.serving.cuda_errors import classify
+from clef_cuda import Decider
+from clef_cuda.kernels import reference
+from clef_cuda.runtime.cuda_errors import classify
 from clef_cuda.serving.engine import EngineConfig
-from clef_cuda.serving.guarded_ops import GUARDED_OPS, GuardedOps, KernelFault
+from clef_cuda.tuning import autotune as tuning
+from clef_cuda.tuning import trials as trial
+from clef_cuda.tuning import tunes
+from clef_cuda.verification.guarded_ops import GUARDED_OPS, GuardedOps, KernelFault
 
 CONFIG = EngineConfig(max_model_len=4096, kv_fraction=0.05, prefill_chunk_size=256, max_num_seqs=2)
 
@@ -77,7 +79,7 @@ def test_an_out_of_memory_or_a_busy_device_fails_the_call_and_bans_no_kernel():
 
 
 def test_every_failed_kernel_runs_the_reference_and_answers_stay_right(tiny):
-    """With every op's kernel failed, the trunk runs clef_cuda.reference throughout: the answers equal the
+    """With every op's kernel failed, the trunk runs clef_cuda.kernels.reference throughout: the answers equal the
     plain-ops trunk's within the parity bound (both are fp32 references of the same math)."""
     requests = [random_request(random.Random(seed), state_words=(40, 200)) for seed in range(3)]
     before = [tiny.probabilities(tiny.encode(r)) for r in requests]
@@ -200,7 +202,7 @@ def test_the_trials_record_a_crash_a_sticky_error_and_a_hang(tiny, monkeypatch):
     monkeypatch.setattr(trial, "CHILD_COMMAND", trial_faults.CHILD_COMMAND)
     monkeypatch.setenv(trial_faults.CANDIDATES_ENV, "crash,sticky,hang")
     monkeypatch.setattr(trial, "UNIT_TIMEOUT_S", 15.0)
-    buckets = tuning.attention_buckets("fast", CONFIG.max_num_seqs, CONFIG.prefill_chunk_size, CONFIG.max_model_len)
+    buckets = tunes.attention_buckets("fast", CONFIG.max_num_seqs, CONFIG.prefill_chunk_size, CONFIG.max_model_len)
     report = trial.tune_in_trials(tiny.trunk, CONFIG, "fast", buckets, {"test": 1})
     assert report.trials == "child"
     assert report.failures["paged_attention:test-crash"].startswith("crashed its trial process (killed by SIGSEGV)")
@@ -243,16 +245,16 @@ def test_the_real_layer_checks_and_the_int8_tune_run_in_the_trial_process(monkey
     layer unit that crashes its trial process outside our kernels fails that self-check in the server (never run
     there); the kernels it ran are not blamed."""
     int8 = Decider.from_release(tiny_release(), device="cpu", progress=False, quantize="int8")
-    buckets = tuning.attention_buckets("fast", CONFIG.max_num_seqs, CONFIG.prefill_chunk_size, CONFIG.max_model_len)
+    buckets = tunes.attention_buckets("fast", CONFIG.max_num_seqs, CONFIG.prefill_chunk_size, CONFIG.max_model_len)
     report = trial.tune_in_trials(int8.trunk, CONFIG, "fast", buckets, {"test": 4})
-    assert report.failures == {} and set(report.choices["int8_linear"]) == {n for n, _ in tuning.int8_buckets(CONFIG)}
+    assert report.failures == {} and set(report.choices["int8_linear"]) == {n for n, _ in tunes.int8_buckets(CONFIG)}
     monkeypatch.setattr(trial, "CHILD_COMMAND", trial_faults.CHILD_COMMAND)
     monkeypatch.setenv(trial_faults.FAULT_ENV, "crash_in:selfcheck:delta_net")
     crashed = trial.tune_in_trials(int8.trunk, CONFIG, "off", [], {"test": 5})
     assert list(crashed.failures) == ["selfcheck:delta_net"], crashed.failures
     assert crashed.failures["selfcheck:delta_net"].startswith("crashed its trial process (killed by SIGSEGV)")
     tuning.install(int8.trunk, crashed, [], None, CONFIG)
-    from clef_cuda.serving.selfcheck import run_selfcheck
+    from clef_cuda.verification.selfcheck import run_selfcheck
 
     selfcheck = run_selfcheck(int8.trunk)
     (failed,) = selfcheck.failures
@@ -431,10 +433,10 @@ def test_an_autotune_that_raises_still_leaves_the_fault_handler_wired_and_the_op
 
 
 class OpFaultSticky:
-    """clef_cuda.ops with rms_norm_rope raising the error a sticky CUDA fault raises."""
+    """clef_cuda.kernels.ops with rms_norm_rope raising the error a sticky CUDA fault raises."""
 
     def __getattr__(self, name):
-        from clef_cuda import ops
+        from clef_cuda.kernels import ops
 
         if name == "rms_norm_rope":
 

@@ -15,7 +15,7 @@ import torch
 from conftest import qwen35_module, rel_err
 from packing import cu_seqlens_of
 
-from clef_cuda import reference
+from clef_cuda.kernels import reference
 
 # (key_dim, value_dim): clef-flash's 2048 | 2048 | 4096 = 8192, and odd splits that straddle thread blocks.
 SPLITS = {
@@ -182,7 +182,7 @@ def test_the_key_band_through_the_chunked_kernel(sim_ops, zeroed):
 
 
 def test_layer_check_catches_a_zeroed_key_band():
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     with pytest.raises(AssertionError, match="exactly zero"):
         check_gdn_layer(key_band_zeroed(ops.causal_conv1d_fwd), ops.gated_delta_rule_chunk)
@@ -190,7 +190,7 @@ def test_layer_check_catches_a_zeroed_key_band():
 
 def test_zeroed_key_band_makes_the_layer_return_exactly_zero():
     """Why the seed's bug was silent: k = 0 leaves the state at zero, so the layer adds nothing."""
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     qwen = qwen35_module()
     layer = qwen.Qwen3_5GatedDeltaNet(tiny_linear_attention_config(), layer_idx=0).eval()

@@ -6,7 +6,7 @@ import torch
 from packing import cu_seqlens_of
 
 import clef_cuda
-from clef_cuda import ops
+from clef_cuda.kernels import ops
 
 
 def _opcheck(op, args):

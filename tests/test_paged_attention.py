@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import TOLERANCE, Backend, cuda_available, qwen35_module, rel_err, simulated
 from packing import cu_seqlens_of, nan_like
 
-from clef_cuda import reference
+from clef_cuda.kernels import reference
 
 # Each sequence: (new queries, context length incl. them): fresh prefill, chunked prefill, prefix-cache
 # hit (short chunk, long cached prefix), decode.
@@ -47,7 +47,7 @@ WMMA_FAULTS = ("wmma_skip_causal_mask", "wmma_tile_offset", "wmma_assumes_elemen
 @pytest.fixture(params=["sim"] + (["cuda"] if cuda_available() else []))
 def cuda_kernels(request) -> Backend:
     """The backends that run the CUDA kernels: the simulator and, where there is one, the GPU."""
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     if request.param == "cuda":
         return Backend("cuda", ops._default, torch.device("cuda"))
@@ -444,7 +444,7 @@ def _good_args():
     ],
 )
 def test_bad_arguments_raise_clear_errors(change, error, words):
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     with pytest.raises(error) as info:
         ops.paged_attention(**(_good_args() | change))
@@ -453,7 +453,7 @@ def test_bad_arguments_raise_clear_errors(change, error, words):
 
 
 def test_bad_cache_write_arguments():
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     key = torch.randn(4, 2, 16)
     cache = torch.zeros(3, 4, 2, 16)
@@ -474,9 +474,9 @@ def test_cuda_launcher_rejects_uncompiled_head_dims(sim_ops):
 
 
 def test_the_tile_rule_in_words_is_the_launchers():
-    """clef_cuda.ops.paged_attention_tiles (what --plan prints for a GPU and benchmarks/card_plans.py
+    """clef_cuda.kernels.ops.paged_attention_tiles (what --plan prints for a GPU and benchmarks/card_plans.py
     uses) states the rule the launcher and scripts/check_archs.py apply."""
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     assert ops.paged_attention_tiles(256, 75, 64 * 1024) == (
         "tensor cores: 16 keys a tile (55.00 KB); tensor cores v2: 16 keys a tile (61.25 KB); "

@@ -16,7 +16,7 @@ from conftest import TOLERANCE, Backend, cuda_available, rel_err, simulated
 from packing import cu_seqlens_of
 from test_paged_attention import attention_failures, chunked_attention, fill_context, make_cache
 
-from clef_cuda import reference
+from clef_cuda.kernels import reference
 
 KERNEL = "wmma2"
 # (Hq, Hkv, D, block_size): head dims 64, 128, 256 at GQA 4, 2, 1 and 8, block sizes 4..16.
@@ -94,7 +94,7 @@ def test_wmma2_split_context_matches_reference(sim, cc, dtype):
 @pytest.mark.skipif(not cuda_available(), reason="needs a GPU and the CUDA build")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_wmma2_matches_reference_on_the_gpu(dtype):
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 tensor cores need sm_80")
@@ -258,7 +258,7 @@ def test_wmma2_runs_only_where_it_can_and_says_why_not(sim):
         dispatch(torch.float32)
     with pytest.raises(ValueError, match="head dims 64, 128 and 256"):
         dispatch(hq=4, hkv=2, d=32)
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     with pytest.raises(ValueError, match="kernel='wmma2' picks a CUDA kernel, but cpu tensors run the CPU"):
         args = make_cache([(1, 1)], 1, 64, 16, torch.float16, "cpu")

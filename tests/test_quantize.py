@@ -19,8 +19,9 @@ from parity import DTYPE_BOUNDS, INT8_BOUNDS
 from random_requests import random_request
 from releases import mid_release, tiny_release
 
-from clef_cuda import Decider, reference
+from clef_cuda import Decider
 from clef_cuda.errors import ReleaseError
+from clef_cuda.kernels import reference
 from clef_cuda.model import default_model
 from clef_cuda.model.quantize import Int8Weight, quantize_int8
 from clef_cuda.model.weights import check_not_prequantized
@@ -71,7 +72,7 @@ def test_the_quantizer_works_in_row_blocks(monkeypatch):
 
 
 def test_fused_weights_keep_their_dense_tail_and_tables_gather_rows():
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     a, b, tail = torch.randn(8, 16), torch.randn(4, 16), torch.randn(2, 16)
     fused = Int8Weight.cat([quantize_int8(a, torch.float32), quantize_int8(b, torch.float32), tail])
@@ -110,7 +111,7 @@ def test_the_dequantize_test_catches_a_wrong_scale_row(sim_ops):
 
 
 def test_dequantize_argument_errors_name_the_argument():
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     q, scale = random_int8(4, 32, "cpu")
     with pytest.raises(TypeError, match="qweight must be Char"):
@@ -160,7 +161,7 @@ def test_int8_linear_matches_the_reference(backend, dtype):
 
 def test_int8_linear_equals_dequantize_then_gemm_to_the_weights_rounding():
     """In fp32 the two paths compute one function (exact int8 values times the scale) up to summation order."""
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     x, q, scale = int8_linear_case(16, 512, 300, torch.float32, "cpu")
     fused = ops.int8_linear(x, q, scale)
@@ -179,7 +180,7 @@ def test_the_int8_linear_test_catches_a_dropped_tile_tail(sim_ops):
 
 
 def test_int8_linear_argument_errors_name_the_argument():
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     x, q, scale = int8_linear_case(4, 32, 8, torch.float32, "cpu")
     with pytest.raises(ValueError, match="at most 64 rows a call, got 65"):

@@ -1,4 +1,4 @@
-"""The on-device self-check (clef_cuda.serving.selfcheck): it passes on healthy kernels for every test release,
+"""The on-device self-check (clef_cuda.verification.selfcheck): it passes on healthy kernels for every test release,
 dtype and the simulator's CUDA kernels, and every check fails against a fault injected into its op (the
 seed's zeroed key band by name, unwritten outputs, reads outside the context, a kernel that raises). The
 server keeps /ready at 503 and refuses decisions while it fails; --selfcheck warn and off; metrics; the
@@ -25,7 +25,7 @@ from app.server import ServerSettings, create_app
 from clef_cuda import Decider
 from clef_cuda.model.default_model import default_release
 from clef_cuda.serving.engine import Engine, EngineConfig
-from clef_cuda.serving.selfcheck import _SelfCheck, run_selfcheck
+from clef_cuda.verification.selfcheck import _SelfCheck, run_selfcheck
 
 ROOT = Path(__file__).resolve().parents[1]
 OK = {"model": "clef-flash", "state": "Checkout fails for everyone.", "questions": {"outage": {"type": "noul"}}}

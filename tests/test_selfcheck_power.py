@@ -1,6 +1,6 @@
 """The on-device self-check sees every fault the op tests see: each test-only fault of the CUDA kernels
 (tests/kernel_faults.py, every CLEF_FAULT point in csrc/), switched on in the simulator on the card it shows on,
-fails the op tests' own cases and the self-check the server runs (clef_cuda.serving.selfcheck.run_selfcheck),
+fails the op tests' own cases and the self-check the server runs (clef_cuda.verification.selfcheck.run_selfcheck),
 which passes with it off. The self-check runs at clef-flash's per-head shapes (the delta net's 2 value heads a key
 head x 128, attention's GQA 4 x 256), int8 weights, f16: the variants, tiles and tensor-core paths a card takes at
 clef-flash's shapes. benchmarks/selfcheck_power.py prints the same as a table, with the autotune's checks."""
@@ -12,7 +12,7 @@ import torch
 from conftest import simulated, simulated_cards
 from kernel_faults import BY_NAME, FAULTS, fault_points, op_tests_catch
 
-from clef_cuda.serving.selfcheck import run_selfcheck
+from clef_cuda.verification.selfcheck import run_selfcheck
 
 
 def test_every_fault_point_in_the_kernels_is_in_the_table():

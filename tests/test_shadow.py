@@ -1,4 +1,4 @@
-"""Shadow verification (clef_cuda.serving.shadow): answered records re-decided on the reference ops while the
+"""Shadow verification (clef_cuda.verification.shadow): answered records re-decided on the reference ops while the
 engine is idle. A fault that fires only past 3,000 context tokens passes the start-up self-check and is
 caught by the first long record: /ready turns 503 naming the shadow check, /health stays 200, decisions
 are refused, the metrics count it. Healthy kernels give no mismatch over 200 records (text, images,
@@ -30,10 +30,10 @@ from app.server import ServerSettings, create_app
 from clef_cuda import Decider
 from clef_cuda.model.adapters import AdapterRegistry
 from clef_cuda.model.trunk_cache import TrunkCache
-from clef_cuda.serving import shadow as shadow_module
 from clef_cuda.serving.engine import Engine, EngineConfig
-from clef_cuda.serving.selfcheck import run_selfcheck
-from clef_cuda.serving.shadow import ShadowConfig
+from clef_cuda.verification import shadow as shadow_module
+from clef_cuda.verification.selfcheck import run_selfcheck
+from clef_cuda.verification.shadow import ShadowConfig
 
 LONG_STATE = " ".join(f"line {i}: order {i * 7} shipped" for i in range(260))  # ~4.5k tokens
 SHORT = {"model": "clef-flash", "state": "Checkout fails for everyone.", "questions": {"outage": {"type": "noul"}}}
@@ -74,7 +74,7 @@ def test_a_fault_past_3000_tokens_turns_ready_503_at_the_first_long_record(caplo
         assert client.post("/v1/systemone", json=SHORT).status_code == 200
         wait_until(lambda: verdicts(engine) >= 2, "the short records' shadow verdicts")  # the warm-up's and SHORT's
         assert client.get("/ready").status_code == 200
-        with caplog.at_level(logging.ERROR, logger="clef_cuda.serving.shadow"):
+        with caplog.at_level(logging.ERROR, logger="clef_cuda.verification.shadow"):
             served = client.post("/v1/systemone", json=LONG, headers={"X-Request-Id": "req-long-1"})
             assert served.status_code == 200 and served.json()["usage"]["input_tokens"] > 3000  # answered, wrongly
             wait_until(lambda: client.get("/ready").status_code == 503, "/ready to turn 503 (one idle period)")
@@ -150,7 +150,7 @@ def test_healthy_kernels_give_no_mismatch_over_200_records_with_images_and_varia
     stats = engine.shadow.stats
     assert (stats.match, stats.mismatch, stats.marginal, stats.dropped) == (200, 0, 0, 0), stats
     assert registry.get("tuned").users == 0  # every sample let go of its hold on the variant
-    # The bounds, derived here from fp32's unit roundoff and the roundings clef_cuda.serving.shadow states, not
+    # The bounds, derived here from fp32's unit roundoff and the roundings clef_cuda.verification.shadow states, not
     # taken from its functions; each record's measured drift is data. The head's means against its tokens' rows:
     # the head's sum and the sketches' mean (a rounding a token each), its division, the sketches' buckets (64 / 32
     # coordinates each, in the mean's sketch and the tokens').
@@ -491,7 +491,7 @@ def test_a_refused_request_lets_go_of_its_variant_whatever_refused_it():
     """Submitting to an engine whose GPU faulted (on the idle lane, say) is refused, and the request's hold on its
     variant is let go, as a full queue's or a draining engine's refusal does."""
     from clef_cuda.serving.engine import EngineStoppedError, QueueFullError
-    from clef_cuda.serving.guarded_ops import KernelFault
+    from clef_cuda.verification.guarded_ops import KernelFault
 
     d = decider()
     registry = AdapterRegistry(d.config, d.trunk.lm_head, d.trunk.dtype)
@@ -509,7 +509,7 @@ def test_enforcement_is_in_proportion_a_probability_just_past_its_tolerance_is_m
     """Probabilities past their tolerance with every layer's fingerprint matched: up to 10x it, marginal (a warning
     and a count; /ready stays 200); three marginals in twenty verdicts, or probabilities 10x past, or any layer past
     its own tolerance: a mismatch, which enforce mode turns into /ready 503 at --shadow-max-mismatches."""
-    from clef_cuda.serving.shadow import MARGINAL_FACTOR, LayerCheck, ShadowResult, ShadowVerifier
+    from clef_cuda.verification.shadow import MARGINAL_FACTOR, LayerCheck, ShadowResult, ShadowVerifier
 
     record = SimpleNamespace(questions=[], num_tokens=10)
     sample = SimpleNamespace(request_id="r", record=record, adapter=None, request={"questions": {}}, served=[])
@@ -520,7 +520,7 @@ def test_enforcement_is_in_proportion_a_probability_just_past_its_tolerance_is_m
 
     verifier = ShadowVerifier(ShadowConfig(rate=1.0), torch.float32, lambda adapter: None, depth=4)
     tolerance = verifier.tolerance
-    with caplog.at_level(logging.WARNING, logger="clef_cuda.serving.shadow"):
+    with caplog.at_level(logging.WARNING, logger="clef_cuda.verification.shadow"):
         stats, failure = verdict(verifier, 2 * tolerance)
     assert (stats.marginal, stats.mismatch, failure) == (1, 0, None) and "marginal" in caplog.text
     for _ in range(5):
@@ -544,7 +544,7 @@ def test_the_tolerances_are_the_numbers_derived_by_hand():
     roundings: the probabilities' 4 sqrt(5 depth) u with no floor in any dtype; fp32's record tolerance from the
     drift measured, capped by the last layer's tolerance; the head's reads from the head's and the sketches'
     roundings."""
-    from clef_cuda.serving.shadow import head_read_tolerance, probability_tolerance, record_probability_tolerance
+    from clef_cuda.verification.shadow import head_read_tolerance, probability_tolerance, record_probability_tolerance
 
     f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
     assert probability_tolerance(f16, 5) == pytest.approx(9.77e-3, rel=1e-3)  # 4 x 5 x 2^-11

@@ -1,4 +1,4 @@
-"""Tensor parallel (clef_cuda.model.shard, clef_cuda.serving.tensor_parallel) on the CPU over gloo: each rank loads
+"""Tensor parallel (clef_cuda.model.shard, clef_cuda.parallel.tensor_parallel) on the CPU over gloo: each rank loads
 only its shard; TP=2 and TP=4 answer as one device does over the random-request corpus (chunked prefill and
 prefix-cache hits included); a worker killed or hung turns /ready 503 and the server exits 5, never a hang; the
 one-line refusals; the memory plan per rank."""
@@ -31,11 +31,11 @@ from clef_cuda.model.config import load_release_config
 from clef_cuda.model.shard import Shard, local_config
 from clef_cuda.model.vocab_tables import VOCAB_TABLES, VocabShard
 from clef_cuda.model.weights import load_release_weights
+from clef_cuda.parallel import tensor_parallel
+from clef_cuda.parallel.tensor_parallel import RemoteVisionTower, StepFailedOnRank, TensorParallel
 from clef_cuda.request import answers
-from clef_cuda.serving import tensor_parallel
 from clef_cuda.serving.engine import Engine, EngineConfig
-from clef_cuda.serving.shadow import ShadowConfig
-from clef_cuda.serving.tensor_parallel import RemoteVisionTower, StepFailedOnRank, TensorParallel
+from clef_cuda.verification.shadow import ShadowConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TP_BOUND = 1e-5  # |p_TP - p_one device| in fp32: the partial sums add in another order, nothing else differs
@@ -82,7 +82,7 @@ def test_ranks_on_the_cpu_share_its_cores(caplog):
     """Rank 0's intra-op threads (6 here, as on a 6-core machine) split between the ranks, workers included, while
     the group runs (every rank with the whole pool kept the others off the cores: TP=4 on 2 cores served 3.7x
     slower); rank 0's pool comes back when the group stops."""
-    caplog.set_level("INFO", logger="clef_cuda.serving.tensor_parallel")
+    caplog.set_level("INFO", logger="clef_cuda.parallel.tensor_parallel")
     before = torch.get_num_threads()
     torch.set_num_threads(6)  # not twice a worker's default on the 2-core CI machine: a worker ignoring it fails
     try:

@@ -14,7 +14,8 @@ from conftest import cuda_available
 from random_requests import random_request
 from releases import mid_release, tiny_release
 
-from clef_cuda import Decider, ops
+from clef_cuda import Decider
+from clef_cuda.kernels import ops
 from clef_cuda.model.footprint import host_table_bytes
 from clef_cuda.model.quantize import quantize_int8
 from clef_cuda.model.vocab_tables import HostTable, VocabShard

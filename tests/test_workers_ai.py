@@ -214,7 +214,7 @@ class FailingEngine(Engine):
 
 
 def failing_selfcheck(*args, **kwargs):
-    from clef_cuda.serving.selfcheck import Check, SelfCheckReport
+    from clef_cuda.verification.selfcheck import Check, SelfCheckReport
 
     return SelfCheckReport("cpu", "float32", 0.0, (Check("injected.k", 1.0, 1e-5),))
 

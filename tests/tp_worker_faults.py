@@ -1,5 +1,5 @@
 """Test-only faults of one tensor-parallel rank, so that what the group does about them is shown without a GPU.
-Run as a worker rank itself: a test points clef_cuda.serving.tensor_parallel.WORKER_COMMAND at WORKER_COMMAND (in
+Run as a worker rank itself: a test points clef_cuda.parallel.tensor_parallel.WORKER_COMMAND at WORKER_COMMAND (in
 its own process with monkeypatch, in a server through tests/faulty_clef_serve.py); this script puts worker_ops in
 the worker's place and runs the real worker_main(). Imported by rank 0's tests (rank0_ops, faulty_clef_serve.py).
 CLEF_TEST_TP_FAULT picks the fault (unset or any other name: none, the healthy worker); the "_when_armed" ones fire
@@ -71,7 +71,8 @@ FAULTS = {
 
 
 def faulty_ops(base, fault: str):
-    """`base` (clef_cuda.ops) with the fault FAULTS names (tests/faults.py's OpFault); `base` itself for any other."""
+    """`base` (clef_cuda.kernels.ops) with the fault FAULTS names (tests/faults.py's OpFault); `base` itself for any
+    other."""
     if fault not in FAULTS:
         return base
     op, broken = FAULTS[fault]
@@ -112,14 +113,14 @@ def worker_ops(rank: int, base):
 
 
 def rank0_ops(fault: str, base=None):
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     return faulty_ops(base or ops, fault)
 
 
 if __name__ == "__main__":
-    from clef_cuda import ops
-    from clef_cuda.serving import tensor_parallel
+    from clef_cuda.kernels import ops
+    from clef_cuda.parallel import tensor_parallel
 
     tensor_parallel._worker_ops = lambda rank: worker_ops(rank, ops)
     sys.exit(tensor_parallel.worker_main(sys.argv[1:]))

@@ -1,5 +1,5 @@
-"""Test-only faults of a kernel trial process (clef_cuda.serving.trial), so that what they lead to is shown without
-a GPU. Run as the trial process itself: a test points clef_cuda.serving.trial.CHILD_COMMAND at CHILD_COMMAND (in
+"""Test-only faults of a kernel trial process (clef_cuda.tuning.trials), so that what they lead to is shown without
+a GPU. Run as the trial process itself: a test points clef_cuda.tuning.trials.CHILD_COMMAND at CHILD_COMMAND (in
 its own process with monkeypatch, in a server through tests/faulty_clef_serve.py); this script installs the
 faults its environment names, then runs the real trial's main(). With neither variable set it is the healthy trial.
 
@@ -42,7 +42,7 @@ KINDS = {"crash": _crash, "sticky": _sticky, "hang": _hang}
 
 
 def attention_candidates(kinds: str) -> dict:
-    """The candidates `kinds` names ("crash,sticky"), as clef_cuda.serving.autotune names candidates."""
+    """The candidates `kinds` names ("crash,sticky"), as clef_cuda.tuning.tunes names candidates."""
     unknown = [kind for kind in kinds.split(",") if kind and kind not in KINDS]
     if unknown:
         raise SystemExit(f"trial_faults.py: unknown {CANDIDATES_ENV} kind(s) {unknown}; known: {', '.join(KINDS)}")
@@ -51,12 +51,13 @@ def attention_candidates(kinds: str) -> dict:
 
 def install(candidates: str, fault: str) -> None:
     """Break this process's trial as `candidates` (CLEF_TEST_CANDIDATE_SET) and `fault` (CLEF_TEST_TRIAL_FAULT) say."""
-    from clef_cuda.serving import autotune, trial
+    from clef_cuda.tuning import trials as trial
+    from clef_cuda.tuning import tunes
 
     if candidates:
         extra = attention_candidates(candidates)
-        healthy_candidates = autotune.attention_candidates
-        autotune.attention_candidates = lambda target: healthy_candidates(target) | extra
+        healthy_candidates = tunes.attention_candidates
+        tunes.attention_candidates = lambda target: healthy_candidates(target) | extra
     if fault == "exit_at_start":
         trial._start_on = lambda device: os._exit(1)
     elif fault == "busy_at_start":
@@ -66,7 +67,7 @@ def install(candidates: str, fault: str) -> None:
 
         trial._start_on = busy
     elif fault.startswith("crash_in:"):
-        from clef_cuda.serving.selfcheck import _SelfCheck
+        from clef_cuda.verification.selfcheck import _SelfCheck
 
         unit, healthy_check = fault.removeprefix("crash_in:"), _SelfCheck.layer_check
 
@@ -82,6 +83,6 @@ def install(candidates: str, fault: str) -> None:
 
 if __name__ == "__main__":
     install(os.environ.get(CANDIDATES_ENV, ""), os.environ.get(FAULT_ENV, ""))
-    from clef_cuda.serving import trial
+    from clef_cuda.tuning import trials as trial
 
     sys.exit(trial.main())

@@ -170,7 +170,7 @@ def serving(release: Path, ops=None, prefix_cache: bool = True, quantize: str = 
     from app.server import ServerSettings
     from clef_cuda import Decider
     from clef_cuda.serving.engine import Engine, EngineConfig
-    from clef_cuda.serving.shadow import ShadowConfig
+    from clef_cuda.verification.shadow import ShadowConfig
 
     decider = Decider.from_release(release, device="cpu", progress=False, ops=ops, quantize=quantize)
     # Snapshots from 32 saved tokens on: held-out states are short, and the second pass should find them.

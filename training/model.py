@@ -1,5 +1,5 @@
 """clef-tiny for training: the Qwen3.5 hybrid trunk and the joint schema head as one differentiable
-module, built on the pure-torch references (clef_cuda.reference) and the serving head's own code, with
+module, built on the pure-torch references (clef_cuda.kernels.reference) and the serving head's own code, with
 parameters named exactly as the release layout stores them.
 
 Serving runs the same function through the fast kernels (clef_cuda.model.trunk); tests check the two agree.
@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from clef_cuda import reference
+from clef_cuda.kernels import reference
 from clef_cuda.model.config import LINEAR_ATTENTION, HeadConfig, TrunkConfig
 from clef_cuda.model.head import JointSchemaHead, RecordLayout
 from clef_cuda.model.trunk import rms_norm, rotate_half

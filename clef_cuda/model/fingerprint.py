@@ -15,7 +15,7 @@ position's scale was tried too: on healthy records it swung 10-100x wider than t
 a layer's output is near zero, so it saw less, not more.)
 
 The drift sees a whole layer gone wrong, and each layer is judged against the drift of the input it was handed
-(clef_cuda.serving.shadow), but a fault confined to a few channels (an int8 row scale off by 5%) or to a norm
+(clef_cuda.verification.shadow), but a fault confined to a few channels (an int8 row scale off by 5%) or to a norm
 (whose input and output are both the trunk's, so its error reads as the next block's input drift) can hide in
 rounding. Position-wise parts can be checked on their own, with nothing upstream accumulated: the served pass
 also keeps, whole, at the sketched positions, the residual stream after each norm's add and each norm's output
@@ -33,7 +33,7 @@ pass computed, [tokens, SKETCH_WIDTH] fp32 (128 B a token), and, once answered, 
 the last row as HeadInputs held them (prefix-cache restores included), [Q + O + 1, SKETCH_WIDTH]. A sketch is
 linear, so a span mean's sketch is the mean of its tokens' sketches, up to the roundings of the head's sum and
 of the sketches: head_read_error compares the two, a check of the served pass against itself that the head read
-what the trunk computed, as tight as those roundings (clef_cuda.serving.shadow.head_read_tolerance). The shadow
+what the trunk computed, as tight as those roundings (clef_cuda.verification.shadow.head_read_tolerance). The shadow
 run keeps the same sketches from the reference ops: output_drift, the drift of every row the head read, is what
 the probabilities' tolerance is measured from. At clef-flash's shapes: 2 MiB for a 16k-token record.
 """

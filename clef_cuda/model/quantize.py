@@ -2,7 +2,7 @@
 scale per output row (symmetric absmax / 127, no calibration), activations in the serving dtype.
 
 Prefill is compute-bound, so a linear layer dequantizes its whole weight into a scratch buffer in the
-serving dtype (clef_cuda.ops.dequantize_int8) and runs the ordinary GEMM: once per trunk step, shared by
+serving dtype (clef_cuda.kernels.ops.dequantize_int8) and runs the ordinary GEMM: once per trunk step, shared by
 every record packed into it. An embedding table dequantizes only the rows a lookup gathers. What stays
 in the serving dtype: norms, conv taps, decay rates, the delta net's small in_proj_b / in_proj_a rows
 (Hv x hidden: nothing to save; carried as `dense_tail` of the fused in_proj), the vision tower and the
@@ -95,7 +95,7 @@ class Int8Weight:
 
     def __getitem__(self, rows: Tensor) -> Tensor:
         """table[rows], as a tensor table is indexed (the joint head's LM-head rows)."""
-        from clef_cuda import ops
+        from clef_cuda.kernels import ops
 
         return self.rows(rows, ops)
 

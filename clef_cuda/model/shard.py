@@ -2,7 +2,7 @@
 config a rank runs (its heads and MLP columns).
 
 Every layer is split by heads so that nothing but its output crosses ranks (one all-reduce after each mixer and
-each MLP; clef_cuda.serving.tensor_parallel runs the ranks):
+each MLP; clef_cuda.parallel.tensor_parallel runs the ranks):
   delta net   key heads and their value heads: in_proj_qkv by its q, k and v bands, in_proj_z / b / a and the
               conv's channels, A_log and dt_bias by value head (column-parallel: rows of the weights);
               out_proj by its input columns (row-parallel). Each rank's recurrent state is its own value heads'

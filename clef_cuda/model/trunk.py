@@ -38,7 +38,7 @@ Tensor = torch.Tensor
 
 
 class Collectives(Protocol):
-    """The tensor-parallel group a sharded trunk sums over (clef_cuda.serving.tensor_parallel implements it)."""
+    """The tensor-parallel group a sharded trunk sums over (clef_cuda.parallel.tensor_parallel implements it)."""
 
     def all_reduce(self, tensor: Tensor) -> Tensor: ...  # the sum over the ranks, in place; returns it
 
@@ -191,11 +191,11 @@ def rotate_half(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
 
 
 class Trunk:
-    """Qwen3.5 text trunk over packed chunks. `ops` is clef_cuda.ops (tests may pass another OpLibrary)."""
+    """Qwen3.5 text trunk over packed chunks. `ops` is clef_cuda.kernels.ops (tests may pass another OpLibrary)."""
 
     def __init__(self, config: TrunkConfig, weights: dict[str, Tensor], dtype: torch.dtype, ops=None) -> None:
         if ops is None:
-            from clef_cuda import ops
+            from clef_cuda.kernels import ops
         self.config, self.dtype, self.ops = config, dtype, ops
         # [vocab, H]; int8 rows under --quantize int8; a HostTable under --vocab-tables host; this rank's rows
         # under tensor parallel (a VocabShard, read whole through vocab_rows); None in a kernel trial's two-layer
@@ -220,7 +220,7 @@ class Trunk:
         ]
         quantized = [w for layer in self.layers for w in self._linear_weights(layer) if isinstance(w, Int8Weight)]
         self.scratch = DequantizeScratch(quantized, dtype, device) if quantized else None
-        # Set by the start-up autotune (clef_cuda.serving.autotune): batch -> the attention implementation
+        # Set by the start-up autotune (clef_cuda.tuning.autotune): batch -> the attention implementation
         # to run, (query, key_cache, value_cache, batch) -> out. None: self.ops.paged_attention.
         self.attention_choice: Callable[[ChunkBatch], Callable] | None = None
         # Set by the autotune on a GPU: batch -> the delta rule kernel gated_delta_rule_chunk runs ("serial",
@@ -230,7 +230,7 @@ class Trunk:
         # (ops.int8_linear: the int8 weights read once, no scratch), "dequantize+gemm", or "int8pack_mm" (torch's
         # CPU kernel). The autotune measures where each wins on the device.
         self.int8_by_rows: list[tuple[int, str]] = list(DEFAULT_INT8_BY_ROWS)
-        # Tensor parallel (clef_cuda.model.shard; the ranks are run by clef_cuda.serving.tensor_parallel): this
+        # Tensor parallel (clef_cuda.model.shard; the ranks are run by clef_cuda.parallel.tensor_parallel): this
         # trunk is one rank's shard; `collectives` sums each mixer's and MLP's partial output over the ranks
         # (all_reduce), and the ranks' shares of each step's embedded rows; rank 0's `peers` tells the
         # other ranks what to run before it runs it. Both None on one device.
@@ -393,12 +393,12 @@ class Trunk:
         return copy()
 
     def with_ops(self, ops) -> Trunk:
-        """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.reference,
+        """The same trunk (shared weights, no copy) running on another op library, e.g. clef_cuda.kernels.reference,
         for every op (the autotune's choices are this trunk's, not the twin's)."""
         twin = copy.copy(self)
         twin.ops, twin.attention_choice = ops, None
         # The other ranks run the reference ops for a reference twin, else their own fast ops.
-        twin.ops_name = "reference" if getattr(ops, "__name__", "") == "clef_cuda.reference" else self.ops_name
+        twin.ops_name = "reference" if getattr(ops, "__name__", "") == "clef_cuda.kernels.reference" else self.ops_name
         twin.int8_by_rows = [(sys.maxsize, "dequantize+gemm")]
         return twin
 

@@ -76,7 +76,7 @@ class HostTable:
         ids = ids.cpu() if ids.device.type != "cpu" else ids
         if isinstance(self.table, Int8Weight):
             if ops is None:
-                from clef_cuda import ops
+                from clef_cuda.kernels import ops
             q = self._to_device(self._gather(self.table.qweight, ids))
             s = self._to_device(self._gather(self.table.scale, ids))
             return ops.dequantize_int8(q, s, dtype=self.table.dtype)
@@ -139,7 +139,7 @@ class VocabShard:
     def partial_rows(self, ids: Tensor, ops=None) -> Tensor:
         """[n, hidden] on the device in `dtype`: row ids[i] where this rank holds it, zeros where another does."""
         if ops is None:
-            from clef_cuda import ops
+            from clef_cuda.kernels import ops
         if self.local.shape[0] == 0:  # rank 0 may hold no rows (clef_cuda.model.footprint.vocab_split)
             return torch.zeros(ids.shape[0], self.shape[1], dtype=self.dtype, device=self.device)
         mine = (ids >= self.start) & (ids < self.end)

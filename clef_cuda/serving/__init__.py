@@ -1,1 +1,2 @@
-"""Serving: the batching engine, its memory pools and caches, and the on-device kernel self-check."""
+"""Running requests: the batching engine (engine.py: queue, continuous batching, chunked prefill), its memory pools
+and caches (cache.py) and the memory plan that sizes them (plan.py)."""

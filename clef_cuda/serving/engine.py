@@ -41,10 +41,10 @@ from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.request.images import PreparedImage
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
-from clef_cuda.serving.guarded_ops import KernelFault, as_kernel_fault
 from clef_cuda.serving.plan import CachePlan, plan_cache, shadow_run_bytes, step_activation_bytes
-from clef_cuda.serving.selfcheck import SelfCheckReport, run_selfcheck
-from clef_cuda.serving.shadow import SHADOW_FLOOR_CHUNK_TOKENS, ShadowConfig, ShadowSample, ShadowVerifier
+from clef_cuda.verification.guarded_ops import KernelFault, as_kernel_fault
+from clef_cuda.verification.selfcheck import SelfCheckReport, run_selfcheck
+from clef_cuda.verification.shadow import SHADOW_FLOOR_CHUNK_TOKENS, ShadowConfig, ShadowSample, ShadowVerifier
 
 log = logging.getLogger("clef_cuda.serving.engine")
 
@@ -84,7 +84,7 @@ class EngineConfig:
     # cheaper to recompute.
     min_snapshot_tokens: int = 256
     vision_cache_bytes: int = 256 * 2**20  # vision-tower outputs kept by image digest
-    # Re-deciding a sample of answered records on the reference ops, when idle (clef_cuda.serving.shadow).
+    # Re-deciding a sample of answered records on the reference ops, when idle (clef_cuda.verification.shadow).
     shadow: ShadowConfig = ShadowConfig()
     # The start-up self-check again every this many seconds, when idle (None: only at start-up); with
     # selfcheck_mode "enforce" a failure stops the server answering, "warn" logs it.
@@ -235,7 +235,7 @@ class Engine:
         self.selfcheck_failure: str | None = None
         self._next_selfcheck: float | None = None
         self._last_busy = 0.0  # when the scheduler last did real work (IDLE_GRACE_S)
-        # A sticky CUDA error (clef_cuda.serving.guarded_ops): the device is unusable for the rest of this
+        # A sticky CUDA error (clef_cuda.verification.guarded_ops): the device is unusable for the rest of this
         # process. The server's handler records the kernel and exits; without one the engine refuses work.
         self.kernel_fault: KernelFault | None = None
         self.on_kernel_fault: Callable[[KernelFault], None] | None = None

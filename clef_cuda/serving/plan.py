@@ -180,13 +180,13 @@ def image_feature_bytes(trunk: TrunkConfig, dtype: torch.dtype, step_tokens: int
 
 
 def shadow_run_bytes(trunk: TrunkConfig, dtype: torch.dtype, max_model_len: int, headroom_bytes: int) -> int:
-    """What a shadow run (clef_cuda.serving.shadow) holds on the device beside the pools: its own state slot,
-    and what the reference attention's peak over a chunk (clef_cuda.reference.paged_attention_peak_bytes: the
+    """What a shadow run (clef_cuda.verification.shadow) holds on the device beside the pools: its own state slot,
+    and what the reference attention's peak over a chunk (clef_cuda.kernels.reference.paged_attention_peak_bytes: the
     context's keys and values gathered, one KV head's fp32 scores and probabilities) needs beyond
     `headroom_bytes`, a step's activations (a shadow chunk runs between steps, on the engine's thread, never
     beside one; the run's chunks shrink as its context grows to keep the peak within SHADOW_SCORES_BYTES). Its
     KV blocks are lent from the engine's pool while free (real work takes them back)."""
-    from clef_cuda.serving.shadow import shadow_scores_bytes
+    from clef_cuda.verification.shadow import shadow_scores_bytes
 
     scores = shadow_scores_bytes(trunk, max_model_len, dtype) if trunk.attention_layers else 0
     return TrunkCache.slot_bytes(trunk, dtype) + max(0, scores - headroom_bytes)

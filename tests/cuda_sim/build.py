@@ -43,7 +43,7 @@ def load_cuda_sim():
         with_cuda=False,
         verbose=False,
     )
-    from clef_cuda.ops import OpLibrary, _register_fake_kernels
+    from clef_cuda.kernels.ops import OpLibrary, _register_fake_kernels
 
     if not getattr(torch.ops, NAMESPACE, None) or not hasattr(torch.ops.clef_sim, "causal_conv1d_fwd"):
         raise RuntimeError("the CUDA simulator module loaded but registered no clef_sim ops")

@@ -1,5 +1,5 @@
 """Shadow verification: a sample of the records a server answered is decided again, in the scheduler's idle
-time, through the trunk on clef_cuda.reference (the pure-torch ops, fp32 inside; same weights, same device,
+time, through the trunk on clef_cuda.kernels.reference (the pure-torch ops, fp32 inside; same weights, same device,
 the same joint head), and compared with what was served: layer by layer, then the probabilities.
 
 The start-up self-check proves the kernels at a handful of shapes; this catches what only serving shows: a
@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from clef_cuda import reference
 from clef_cuda.decider import DEFAULT_BLOCK_SIZE, record_chunk
+from clef_cuda.kernels import reference
 from clef_cuda.model.adapters import Adapter, AdapterBatch
 from clef_cuda.model.config import LINEAR_ATTENTION
 from clef_cuda.model.fingerprint import (
@@ -69,7 +69,7 @@ from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord
 from clef_cuda.request.images import PreparedImage
 
-log = logging.getLogger("clef_cuda.serving.shadow")
+log = logging.getLogger("clef_cuda.verification.shadow")
 
 SHADOW_MODES = ("enforce", "warn", "off")
 # Tokens of the record per reference step: bounds how long a new request can wait, and the reference attention's
@@ -359,7 +359,7 @@ class ShadowResult:
 
 def shadow_chunk_tokens(trunk_config, context: int, tokens: int = SHADOW_CHUNK_TOKENS, dtype=torch.float16) -> int:
     """Tokens of the next reference chunk ending near `context`: at most `tokens`, and few enough that the
-    reference attention's peak (clef_cuda.reference.paged_attention_peak_bytes: the context's keys and values
+    reference attention's peak (clef_cuda.kernels.reference.paged_attention_peak_bytes: the context's keys and values
     gathered, one KV head's scores and probabilities in fp32) stays within SHADOW_SCORES_BYTES."""
     c = trunk_config
 

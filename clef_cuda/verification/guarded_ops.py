@@ -1,14 +1,14 @@
-"""The op library the serving trunk runs on: clef_cuda.ops with every kernel that failed on this device kept
+"""The op library the serving trunk runs on: clef_cuda.kernels.ops with every kernel that failed on this device kept
 from running, and a CUDA fault named by the kernel that raised it.
 
 A kernel "fails" when it crashed or hung its trial process, left a sticky CUDA error there, could not
-launch (no kernel image for this card, too many resources), or faulted while serving (clef_cuda.serving.trial,
-the autotune's cache). Its op then runs the reference twin (clef_cuda.reference: pure torch, the same
+launch (no kernel image for this card, too many resources), or faulted while serving (clef_cuda.tuning.trials,
+the autotune's cache). Its op then runs the reference twin (clef_cuda.kernels.reference: pure torch, the same
 signature): slower, right. The ops with a choice of CUDA kernels are steered around a failed one: paged_attention's
 "auto" to the SIMT kernel when a tensor-core one failed, gated_delta_rule_chunk's to the token-serial kernel when
 the chunked one failed (each to the reference when both did); a forced failed kernel is a ValueError.
 
-What a CUDA error means is clef_cuda.serving.cuda_errors' to say, from the error itself. A launch error (no
+What a CUDA error means is clef_cuda.runtime.cuda_errors' to say, from the error itself. A launch error (no
 kernel image for this card, too many resources) leaves the context usable: the kernel is marked failed (and the
 on_failure callback persists it), and the call runs again on the reference. A sticky one (an illegal or
 misaligned address, a device-side trap) destroys the CUDA context: no further GPU work can run in this process,
@@ -27,11 +27,11 @@ from collections.abc import Callable
 
 import torch
 
-from clef_cuda import reference
-from clef_cuda.ops import KERNEL_OPS
-from clef_cuda.serving.cuda_errors import LAUNCH, STICKY, classify, first_line
+from clef_cuda.kernels import reference
+from clef_cuda.kernels.ops import KERNEL_OPS
+from clef_cuda.runtime.cuda_errors import LAUNCH, STICKY, classify, first_line
 
-log = logging.getLogger("clef_cuda.serving.guarded_ops")
+log = logging.getLogger("clef_cuda.verification.guarded_ops")
 
 # Ops with a choice of CUDA kernels: the op that says which one "auto" runs (and the arguments it takes, by
 # position in the op's), and the kernel that runs every call the others can.
@@ -73,7 +73,7 @@ def _first_tensor(args) -> torch.Tensor | None:
 
 
 class GuardedOps:
-    """An op library over `base` (clef_cuda.ops, or a test's) that never runs a kernel in `failed`
+    """An op library over `base` (clef_cuda.kernels.ops, or a test's) that never runs a kernel in `failed`
     ("op:kernel" -> why) and reports faults by kernel. `on_failure(kernel, why)` is called when a launch
     error marks a kernel failed while serving (the autotune persists it)."""
 

@@ -4,13 +4,13 @@ faults cannot take the server down.
 An illegal or misaligned address inside a CUDA kernel is a sticky error: the process's CUDA context is gone,
 every later call fails, and no `except` brings it back; a kernel that deadlocks never returns. A server that
 met such a kernel at start-up would die, and Kubernetes would restart it into the same death. So, on a device
-with no autotune cache entry, the server (clef_cuda.serving.autotune) starts `python -m
-clef_cuda.serving.trial` (clef_cuda.serving.children: the start budget, reaped on every way out), which, from the
+with no autotune cache entry, the server (clef_cuda.tuning.autotune) starts `python -m
+clef_cuda.tuning.trials` (clef_cuda.runtime.children: the start budget, reaped on every way out), which, from the
 model's config alone (no weights; the whole card is the parent's minus what it loaded), runs everything the
 server will run:
 
 1. each op's kernel (conv, each delta rule kernel, cache write, the fused glue, int8 dequantize and the fused int8
-   GEMM) on the self-check's inputs at the model's shapes (clef_cuda.serving.selfcheck),
+   GEMM) on the self-check's inputs at the model's shapes (clef_cuda.verification.selfcheck),
 2. the self-check's real-layer checks, one delta net and one attention layer through the ops, on random weights
    of the model's layer shapes (int8 with --quantize int8),
 3. the start-up autotune's attention candidates (each forced kernel, ours, torch's SDPA backends, verified
@@ -22,7 +22,7 @@ device after each. The parent reads the announcements: when the child dies (a si
 UNIT_TIMEOUT_S, or reports a unit that left a sticky CUDA error or could not launch, the kernel in flight (else
 the unit) is recorded as failed (named with what happened) and a new child runs everything again without it.
 The last child's report (the tune) and the failures come back to the parent, which never runs a failed kernel
-(clef_cuda.serving.guarded_ops; a failed real-layer unit fails that self-check) and caches both.
+(clef_cuda.verification.guarded_ops; a failed real-layer unit fails that self-check) and caches both.
 
 A child that cannot start (it dies before it has a CUDA context, or reports the device busy or out of memory:
 an exclusive-process GPU, a transient out-of-memory) says nothing about any kernel: the trials are
@@ -49,11 +49,11 @@ from types import SimpleNamespace
 import torch
 
 from clef_cuda.model.config import FULL_ATTENTION, LINEAR_ATTENTION, TrunkConfig
-from clef_cuda.serving.children import START_TIMEOUT_S, Child, die_with_parent
-from clef_cuda.serving.cuda_errors import LAUNCH, OUT_OF_MEMORY, STICKY, TRANSIENT, classify, first_line
-from clef_cuda.serving.guarded_ops import GUARDED_OPS, KERNEL_CHOICES, GuardedOps, KernelFault
+from clef_cuda.runtime.children import START_TIMEOUT_S, Child, die_with_parent
+from clef_cuda.runtime.cuda_errors import LAUNCH, OUT_OF_MEMORY, STICKY, TRANSIENT, classify, first_line
+from clef_cuda.verification.guarded_ops import GUARDED_OPS, KERNEL_CHOICES, GuardedOps, KernelFault
 
-log = logging.getLogger("clef_cuda.serving.trial")
+log = logging.getLogger("clef_cuda.tuning.trials")
 
 # A unit that takes longer than this hung (a kernel that deadlocks never returns); the child's start (torch's
 # import, the CUDA context) has the supervisor's START_TIMEOUT_S.
@@ -65,7 +65,7 @@ START_ATTEMPTS, START_RETRY_S = 3, 1.0  # a child that cannot start is tried thi
 LAYER_UNITS = {"selfcheck:delta_net": LINEAR_ATTENTION, "selfcheck:attention": FULL_ATTENTION}
 # The command that starts a trial process (its spec comes on stdin). Never read from the environment: only a test's
 # own launcher replaces it, with a script that installs a fault and then runs main() (tests/trial_faults.py).
-CHILD_COMMAND: tuple[str, ...] = (sys.executable, "-m", "clef_cuda.serving.trial")
+CHILD_COMMAND: tuple[str, ...] = (sys.executable, "-m", "clef_cuda.tuning.trials")
 
 
 # ---- the parent side ------------------------------------------------------------------------------------
@@ -86,8 +86,8 @@ class ChildOutcome:
 
 def trial_spec(trunk, config, mode: str, buckets) -> dict:
     """What the child needs to rebuild the tune and the checks from the config alone."""
-    from clef_cuda import ops
-    from clef_cuda.serving.autotune import int8_tuning_weight
+    from clef_cuda.kernels import ops
+    from clef_cuda.tuning.tunes import int8_tuning_weight
 
     device = trunk.device
     int8_weight = int8_tuning_weight(trunk) if trunk.quantized else None
@@ -109,8 +109,8 @@ def trial_spec(trunk, config, mode: str, buckets) -> dict:
 
 def tune_in_trials(trunk, config, mode: str, buckets, key: dict):
     """The autotune's report for `trunk`, tuned in trial processes, with every kernel that failed in them in
-    `report.failures` (clef_cuda.serving.autotune calls this on a GPU with no cache entry)."""
-    from clef_cuda.serving.autotune import AutotuneReport
+    `report.failures` (clef_cuda.tuning.autotune calls this on a GPU with no cache entry)."""
+    from clef_cuda.tuning.tunes import AutotuneReport
 
     spec = trial_spec(trunk, config, mode, buckets)
     failures: dict[str, str] = {}
@@ -146,7 +146,7 @@ def tune_in_trials(trunk, config, mode: str, buckets, key: dict):
 def _unavailable(trunk, mode: str, key: dict, failures: dict[str, str], passed: set[str], why: str):
     """No trial process got through: the kernels it did not see pass may not run in this process (they keep
     their op on the reference), and none of that is cached (report.cacheable is false)."""
-    from clef_cuda.serving.autotune import AutotuneReport
+    from clef_cuda.tuning.tunes import AutotuneReport
 
     log.error(
         "kernel trials unavailable (%s): every kernel not seen to pass runs the reference ops until a restart", why
@@ -357,8 +357,8 @@ def main() -> int:
     spec = json.loads(sys.stdin.read())
     die_with_parent(spec["parent"])
 
-    from clef_cuda import ops
-    from clef_cuda.serving.autotune import (
+    from clef_cuda.kernels import ops
+    from clef_cuda.tuning.tunes import (
         AutotuneReport,
         Bucket,
         TuneTarget,
@@ -367,7 +367,7 @@ def main() -> int:
         tune_delta_rule,
         tune_int8_linear,
     )
-    from clef_cuda.serving.selfcheck import _SelfCheck, op_trial_units
+    from clef_cuda.verification.selfcheck import _SelfCheck, op_trial_units
 
     if spec.get("cpu_isa"):
         ops.set_cpu_isa(spec["cpu_isa"])

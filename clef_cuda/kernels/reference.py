@@ -1,4 +1,4 @@
-"""Pure-torch references of every op in ``clef_cuda.ops``: same names, same signatures, fp32 inside.
+"""Pure-torch references of every op in ``clef_cuda.kernels.ops``: same names, same signatures, fp32 inside.
 
 They are the arbiter the fast ops are tested against, and are themselves tested against the upstream
 oracles (transformers' Qwen3.5 fallbacks, FLA's naive.py, torch's attention). Written for clarity, not

@@ -3,7 +3,7 @@
 The wrappers allocate outputs, bring convenience inputs to the kernels' contract (fp32 conv weights,
 int32 metadata, a [C, 1, K] conv weight squeezed) and call the op; the C++ host entries check every
 shape, dtype, device and layout and raise ValueError/TypeError/RuntimeError with an actionable message.
-Each function has a pure-torch twin of the same name and signature in ``clef_cuda.reference``.
+Each function has a pure-torch twin of the same name and signature in ``clef_cuda.kernels.reference``.
 
 Conventions: tokens of several sequences are packed along dim 0 and delimited by ``cu_seqlens`` (int32
 [B+1]); per-sequence caches live in slot pools indexed by ``state_indices`` (int32 [B], negative = no
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
-from clef_cuda import extension
+from clef_cuda.kernels import extension
 
 _C = extension.load()  # registers torch.ops.clef; one line naming both torch versions if they differ
 
@@ -415,7 +415,7 @@ class OpLibrary:
 
 
 # Every op that runs a kernel (the CUDA or the CPU one): what the fake kernels cover, and what the serving
-# trunk's guarded library (clef_cuda.serving.guarded_ops) keeps from running once it failed on a device.
+# trunk's guarded library (clef_cuda.verification.guarded_ops) keeps from running once it failed on a device.
 KERNEL_OPS = (
     "causal_conv1d_fwd",
     "causal_conv1d_update",
@@ -472,7 +472,7 @@ CPU_ISA_ENV = "CLEF_CPU_ISA"
 def apply_cpu_isa_env() -> None:
     """CLEF_CPU_ISA=avx2 (or avx512, baseline, auto) pins the CPU kernels' variant for this process, e.g.
     to run the AVX2 code on an AVX-512 machine, and caps torch's GEMMs (oneDNN, MKL) at the same level where
-    their own variables are not set (clef_cuda.cpu_features). ValueError, naming the variable, for a value
+    their own variables are not set (clef_cuda.kernels.cpu_features). ValueError, naming the variable, for a value
     this machine cannot run."""
     value = os.environ.get(CPU_ISA_ENV, "").strip().lower()
     if not value:
@@ -481,7 +481,7 @@ def apply_cpu_isa_env() -> None:
         set_cpu_isa(value)
     except (ValueError, RuntimeError) as error:
         raise ValueError(f"{CPU_ISA_ENV}={value}: {error}") from None
-    from clef_cuda.cpu_features import cap_library_gemms
+    from clef_cuda.kernels.cpu_features import cap_library_gemms
 
     cap_library_gemms(value)
 

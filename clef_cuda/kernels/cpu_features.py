@@ -1,9 +1,9 @@
 """What this CPU's GEMMs can use beyond fp32 FMAs, as torch's oneDNN runs them: bf16 dot products (AVX512-BF16,
 AMX-BF16) and int8 dot products (AVX512-VNNI, AVX-VNNI, AMX-INT8), read from the kernel's CPU flags (Linux).
 
-Our own CPU kernels pick their variant by clef_cuda.ops' CPU ISA (CLEF_CPU_ISA pins it); the GEMMs are torch's.
+Our own CPU kernels pick their variant by clef_cuda.kernels.ops' CPU ISA (CLEF_CPU_ISA pins it); the GEMMs are torch's.
 So that a pin means the same for both, CLEF_CPU_ISA=avx2 or baseline also caps oneDNN and MKL (their
-ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS, unless set: clef_cuda.ops.apply_cpu_isa_env, before the first
+ONEDNN_MAX_CPU_ISA and MKL_ENABLE_INSTRUCTIONS, unless set: clef_cuda.kernels.ops.apply_cpu_isa_env, before the first
 GEMM), and cpu_gemm_features() reports what is left: an AVX-512 machine pinned to AVX2 reports, and runs, what an
 AVX2-only CPU would."""
 
@@ -75,8 +75,8 @@ def cpu_model() -> str:
 
 
 def cpu_gemm_features(kernel_isa: str, flags: frozenset[str] | None = None) -> CpuGemmFeatures:
-    """What the GEMMs can use on this CPU at our kernels' instruction set `kernel_isa` (clef_cuda.ops.cpu_isa()),
-    within ONEDNN_MAX_CPU_ISA when that is set."""
+    """What the GEMMs can use on this CPU at our kernels' instruction set `kernel_isa`
+    (clef_cuda.kernels.ops.cpu_isa()), within ONEDNN_MAX_CPU_ISA when that is set."""
     flags = cpu_flags() if flags is None else flags
     level = LEVELS.index(kernel_isa if kernel_isa in LEVELS else "avx512")
     onednn = ONEDNN_ALLOWS.get(os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper())

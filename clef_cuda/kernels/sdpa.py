@@ -1,8 +1,8 @@
 """paged_attention computed by torch's scaled_dot_product_attention on each sequence's context gathered
-from the paged cache: a candidate the start-up autotune (clef_cuda.serving.autotune) times against our
+from the paged cache: a candidate the start-up autotune (clef_cuda.tuning.autotune) times against our
 kernels, per backend the build offers (flash, memory-efficient, cuDNN, math; on the CPU, flash and math).
 
-Same contract as clef_cuda.ops.paged_attention (query i of a sequence with L new queries and context C
+Same contract as clef_cuda.kernels.ops.paged_attention (query i of a sequence with L new queries and context C
 attends keys [0, C - L + i]; GQA). The per-sequence lengths are host values: the trunk passes the ones it
 built the chunk from, so no device-to-host copy is needed on a GPU.
 """

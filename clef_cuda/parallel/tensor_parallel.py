@@ -4,7 +4,7 @@ runs its part of every trunk call on the same batch, its share of the vocabulary
 (the server process) serves HTTP, schedules and runs the joint head; the last rank holds and runs the vision
 tower (RemoteVisionTower: the images go there, the features come back to rank 0's host memory).
 
-Start: the workers are started first (clef_cuda.serving.children: one start budget, their liveness polled, every
+Start: the workers are started first (clef_cuda.runtime.children: one start budget, their liveness polled, every
 one reaped on every way out, each dying with rank 0) and load their shards while rank 0 loads its own. Each
 reports "ready" (loaded, its self-check passed) on its command channel; only then do the ranks rendezvous
 (torch.distributed over a TCPStore rank 0 opened when it started them), so a worker that dies or hangs while
@@ -62,7 +62,7 @@ from types import SimpleNamespace
 import torch
 
 from clef_cuda.errors import ClefError
-from clef_cuda.serving.children import (
+from clef_cuda.runtime.children import (
     POLL_S,
     START_TIMEOUT_S,
     Child,
@@ -71,10 +71,10 @@ from clef_cuda.serving.children import (
     reap_all,
     wait_for,
 )
-from clef_cuda.serving.cuda_errors import STICKY, classify, first_line
-from clef_cuda.serving.guarded_ops import KernelFault
+from clef_cuda.runtime.cuda_errors import STICKY, classify, first_line
+from clef_cuda.verification.guarded_ops import KernelFault
 
-log = logging.getLogger("clef_cuda.serving.tensor_parallel")
+log = logging.getLogger("clef_cuda.parallel.tensor_parallel")
 
 TP_TIMEOUT_S = 60.0  # a call whose collectives or answers take longer: a hung rank, the group is lost
 RENDEZVOUS_TIMEOUT_S = 60.0  # every rank loaded and ready: joining the group takes seconds
@@ -84,7 +84,7 @@ EXIT_WORKER_FAULT = 4  # a worker whose CUDA context a kernel destroyed (it repo
 # The command that starts a worker rank (its flags follow). Never read from the environment: only a test's own
 # launcher replaces it, with a script that installs a fault on that rank and then runs worker_main()
 # (tests/tp_worker_faults.py).
-WORKER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "clef_cuda.serving.tensor_parallel")
+WORKER_COMMAND: tuple[str, ...] = (sys.executable, "-m", "clef_cuda.parallel.tensor_parallel")
 
 
 class TensorParallelLost(ClefError):
@@ -559,7 +559,7 @@ def _join(rank: int, size: int, store, device: torch.device, timeout: float):
 def _worker_ops(rank: int):
     """The op library a worker's fast trunk starts on (guarded by the caller: a launch failure routed to the
     reference and reported); a test's worker script replaces it to break one rank alone."""
-    from clef_cuda import ops
+    from clef_cuda.kernels import ops
 
     return ops
 
@@ -567,7 +567,7 @@ def _worker_ops(rank: int):
 def worker_main(argv: list[str]) -> int:
     import signal
 
-    parser = argparse.ArgumentParser(prog="clef_cuda.serving.tensor_parallel")
+    parser = argparse.ArgumentParser(prog="clef_cuda.parallel.tensor_parallel")
     for name in ("--rank", "--size", "--port", "--control-fd", "--parent"):
         parser.add_argument(name, type=int, required=True)
     for name in ("--release", "--device", "--dtype", "--quantize", "--vocab-tables", "--vocab-rows"):
@@ -592,15 +592,15 @@ def worker_main(argv: list[str]) -> int:
 def _worker(args, channel: Connection) -> int:
     import torch.distributed as dist
 
-    from clef_cuda import reference
+    from clef_cuda.kernels import reference
     from clef_cuda.model.config import load_release_config
     from clef_cuda.model.footprint import tensor_bytes
     from clef_cuda.model.shard import Shard, local_config
     from clef_cuda.model.trunk import Trunk
     from clef_cuda.model.vision import VisionTower
     from clef_cuda.model.weights import load_release_weights
-    from clef_cuda.serving.guarded_ops import GuardedOps, as_kernel_fault
-    from clef_cuda.serving.selfcheck import run_selfcheck
+    from clef_cuda.verification.guarded_ops import GuardedOps, as_kernel_fault
+    from clef_cuda.verification.selfcheck import run_selfcheck
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda":
@@ -702,7 +702,7 @@ def _worker(args, channel: Connection) -> int:
 
 
 def _install(trunk, report_json: dict, buckets: list[dict], shapes: dict) -> None:
-    from clef_cuda.serving.autotune import AutotuneReport, Bucket, install
+    from clef_cuda.tuning.autotune import AutotuneReport, Bucket, install
 
     report = AutotuneReport.from_json(report_json, {}, cached=False)
     install(

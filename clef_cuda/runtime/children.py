@@ -1,5 +1,5 @@
 """The processes clef-serve starts beside itself, kept on one leash: the kernel trial processes
-(clef_cuda.serving.trial) and the tensor-parallel worker ranks (clef_cuda.serving.tensor_parallel).
+(clef_cuda.tuning.trials) and the tensor-parallel worker ranks (clef_cuda.parallel.tensor_parallel).
 
 Both need the same four things, and each is done here once:
   a start budget    START_TIMEOUT_S from the moment a child is started to its first report (a trial's torch
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from clef_cuda.errors import ClefError
 
-log = logging.getLogger("clef_cuda.serving.children")
+log = logging.getLogger("clef_cuda.runtime.children")
 
 # One budget for every child's start, from the moment it is started to its first report.
 START_TIMEOUT_S = 600.0

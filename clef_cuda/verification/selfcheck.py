@@ -5,7 +5,7 @@ for every arch), so the first GPU of a kind to run them is a user's. The seed's 
 zeroed the key channel band on V100s, answering well-formed, wrong decisions) is what happens when
 nobody checks there. So, after the weights load and before /ready turns 200, every fast op the trunk
 will call is run on the serving device and dtype, at the loaded model's shapes, next to
-clef_cuda.reference on the same inputs:
+clef_cuda.kernels.reference on the same inputs:
 
 - causal_conv1d_fwd, each channel band on its own (q, k, v: the key band by name) and the conv history it
   leaves; causal_conv1d_update;
@@ -40,12 +40,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from clef_cuda import ops, reference
+from clef_cuda.kernels import ops, reference
 from clef_cuda.model.quantize import Int8Weight
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk, rms_norm
 from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.model.vocab_tables import VocabShard
-from clef_cuda.serving.guarded_ops import as_kernel_fault
+from clef_cuda.verification.guarded_ops import as_kernel_fault
 
 Tensor = torch.Tensor
 
@@ -91,7 +91,7 @@ DELTA_RULE_GATES = (1e-3, 0.05, 3.0)  # g = -scale x U(0, 1)
 def delta_rule_gates(lengths: tuple[int, ...], heads: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """(g [N, heads], beta [N, heads]) fp32 on the CPU for a pack of `lengths`: sequence b's head h decays at
     DELTA_RULE_GATES[(b + h) % 3]; beta per token near 0, near 1 or uniform. The self-check's and the autotune's
-    delta-rule cases (clef_cuda.serving.autotune) draw from this."""
+    delta-rule cases (clef_cuda.tuning.autotune) draw from this."""
     n = sum(lengths)
     g = torch.empty(n, heads)
     start = 0
@@ -124,7 +124,7 @@ class SelfCheckReport:
     dtype: str
     seconds: float
     checks: tuple[Check, ...]
-    cpu_isa: str | None = None  # on the CPU: the kernel variant checked (clef_cuda.ops.cpu_isa)
+    cpu_isa: str | None = None  # on the CPU: the kernel variant checked (clef_cuda.kernels.ops.cpu_isa)
 
     @property
     def where(self) -> str:
@@ -185,7 +185,7 @@ class SelfCheckReport:
 
 
 def run_selfcheck(trunk: Trunk, *, block_size: int = 16, seed: int = 0, layers: bool = True) -> SelfCheckReport:
-    """Every fast op `trunk` runs, and one real layer of each kind, against clef_cuda.reference on the
+    """Every fast op `trunk` runs, and one real layer of each kind, against clef_cuda.kernels.reference on the
     trunk's device and dtype at its config's shapes. `block_size` is the serving KV block size. A tensor-parallel
     trunk's other ranks run theirs on their shards, their checks named "rank1.causal_conv1d_fwd.q", ...
     layers=False leaves the real layers out (scripts/gpu_sanitize_cases.py: their inputs come from cuBLAS)."""
@@ -245,8 +245,8 @@ def within(actual: Tensor, expected: Tensor, rtol: float) -> bool:
 
 def op_trial_units(target, block_size: int, quantized: bool, seed: int = 0) -> list[tuple[str, Callable[[], list]]]:
     """The self-check's op checks one kernel at a time, named as failures name kernels ("rms_norm_rope:cuda"),
-    on `target` (clef_cuda.serving.autotune.TuneTarget: an op library, config, device, dtype; no weights):
-    what a kernel trial process runs before the server does (clef_cuda.serving.trial). paged_attention's
+    on `target` (clef_cuda.tuning.autotune.TuneTarget: an op library, config, device, dtype; no weights):
+    what a kernel trial process runs before the server does (clef_cuda.tuning.trials). paged_attention's
     kernels are the autotune's to try."""
     check = _SelfCheck(target.ops, target.config, target.dtype, target.device, block_size, seed)
     where = "cuda" if target.device.type == "cuda" else "cpu"
