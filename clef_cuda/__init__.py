@@ -1,28 +1,22 @@
-"""clef-cuda: a self-hosted System One server for clef-flash.
+"""clef-cuda: a self-hosted System One server for Cloudflare's Clef decision models (clef-flash 9B, clef 27B).
 
-Kernels: ``clef_cuda.kernels.ops`` (the fast ops, CPU and CUDA) beside ``clef_cuda.kernels.reference`` (pure torch, the
-arbiter). The compiled extension is ``clef_cuda._C``; it is imported by ``clef_cuda.kernels.ops`` only, so the
-references work without a build.
+The package in rooms, each importing only the ones listed before it (docs/development.md; tests/test_layout.py):
+errors; kernels (the fast ops beside pure-torch references, the compiled extension clef_cuda._C loaded by
+kernels.extension only, so the references work without a build); request (what a request becomes); runtime (CUDA
+errors, child processes); model (what a release is: weights, trunk, head, vision); decider (one request in process);
+verification (self-check, shadow, guarded ops); tuning (autotune, kernel trials); parallel (tensor parallel);
+serving (the batching engine, its cache and memory plan); lifecycle (whether the server may answer). The HTTP app
+(app/) stands on top.
 """
 
 __version__ = "0.1.0"
 
 
 def build_info() -> dict:
-    """What the compiled extension contains: {"variant": "cpu" | "cuda", "cuda_archs": ["7.5", ...] (machine
-    code), "cuda_ptx": ["9.0"] (PTX the driver compiles for a card newer than every machine code)}."""
-    from clef_cuda.kernels import extension
+    """What the compiled extension contains (clef_cuda.kernels.extension.build_info)."""
+    from clef_cuda.kernels.extension import build_info
 
-    _C = extension.load()  # torch first: it loads libc10/libtorch, which the extension links against
-
-    def archs(token: str) -> list[str]:
-        return [] if token == "none" else [f"{a[:-1]}.{a[-1]}" for a in token.split("_")]
-
-    return {
-        "variant": _C.VARIANT,
-        "cuda_archs": archs(_C.CUDA_ARCHS),
-        "cuda_ptx": archs(getattr(_C, "CUDA_PTX", "none")),
-    }
+    return build_info()
 
 
 def __getattr__(name: str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BUILT_WITH = Path(__file__).resolve().parent / "BUILT_WITH_TORCH"
+BUILT_WITH = Path(__file__).resolve().parents[1] / "BUILT_WITH_TORCH"  # beside _C, in the package's root
 
 
 class ExtensionMismatchError(ImportError):
@@ -39,3 +39,18 @@ def load():
     from clef_cuda import _C
 
     return _C
+
+
+def build_info() -> dict:
+    """What the compiled extension contains: {"variant": "cpu" | "cuda", "cuda_archs": ["7.5", ...] (machine
+    code), "cuda_ptx": ["9.0"] (PTX the driver compiles for a card newer than every machine code)}."""
+    _C = load()  # torch first: it loads libc10/libtorch, which the extension links against
+
+    def archs(token: str) -> list[str]:
+        return [] if token == "none" else [f"{a[:-1]}.{a[-1]}" for a in token.split("_")]
+
+    return {
+        "variant": _C.VARIANT,
+        "cuda_archs": archs(_C.CUDA_ARCHS),
+        "cuda_ptx": archs(getattr(_C, "CUDA_PTX", "none")),
+    }
