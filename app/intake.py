@@ -179,3 +179,72 @@ def _encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+# ---- multipart/form-data (the official SDK's image uploads) ---------------------------------------
+MAX_PARTS = 64  # multipart parts read at most (the request part plus assets)
+
+
+def parse_multipart(raw: bytes, content_type: str) -> tuple[bytes, dict[str, bytes]]:
+    """(the `request` part's bytes, the other parts by name). The body limit has already bounded `raw`."""
+    from python_multipart.multipart import MultipartParser, parse_options_header
+
+    _, options = parse_options_header(content_type.encode("latin-1", "replace"))
+    boundary = options.get(b"boundary")
+    if not boundary:
+        raise InvalidBody(["body"], "a multipart/form-data body needs a boundary parameter", "multipart_invalid")
+    parts: dict[str, bytes] = {}
+    current: dict[str, Any] = {}
+
+    def on_part_begin() -> None:
+        current.clear()
+        current.update(header_field=b"", header_value=b"", headers={}, data=bytearray())
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        current["header_field"] += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        current["header_value"] += data[start:end]
+
+    def on_header_end() -> None:
+        current["headers"][current["header_field"].lower()] = current["header_value"]
+        current["header_field"] = current["header_value"] = b""
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        current["data"] += data[start:end]
+
+    def on_part_end() -> None:
+        _, disposition = parse_options_header(current["headers"].get(b"content-disposition", b""))
+        name = disposition.get(b"name", b"").decode("utf-8", "replace")
+        if not name:
+            raise InvalidBody(["body"], "a multipart part has no name", "multipart_invalid")
+        if name in parts:
+            raise InvalidBody(["body"], f"multipart part {name!r} appears twice", "multipart_invalid")
+        if len(parts) >= MAX_PARTS:
+            raise InvalidBody(["body"], f"more than {MAX_PARTS} multipart parts", "multipart_invalid")
+        parts[name] = bytes(current["data"])
+
+    callbacks = {
+        "on_part_begin": on_part_begin,
+        "on_header_field": on_header_field,
+        "on_header_value": on_header_value,
+        "on_header_end": on_header_end,
+        "on_part_data": on_part_data,
+        "on_part_end": on_part_end,
+    }
+    try:
+        parser = MultipartParser(boundary, callbacks)
+        parser.write(raw)
+        parser.finalize()
+    except InvalidBody:
+        raise
+    except Exception as error:  # python_multipart raises its own MultipartParseError and ValueErrors
+        raise InvalidBody(
+            ["body"], f"the multipart/form-data body is malformed: {error}", "multipart_invalid"
+        ) from error
+    request = parts.pop("request", None)
+    if request is None:
+        raise InvalidBody(
+            ["body"], "a multipart body needs a part named 'request' (the JSON body)", "multipart_invalid"
+        )
+    return request, parts

@@ -46,7 +46,7 @@ def main() -> None:
     from releases import build_release, reference_model
 
     from clef_cuda import Decider
-    from clef_cuda.decider import request_images
+    from clef_cuda.request.images import request_images
     from clef_cuda.serving.engine import Engine, EngineConfig
 
     release = build_release(Path(tempfile.mkdtemp(prefix="clef-vision-bench-")) / "release", vision=TOWER)

@@ -81,7 +81,7 @@ def run_configuration(release: str, device: str | None, configuration: Configura
     """Load `release` as `configuration`, answer every request, free it again."""
     import torch
 
-    from clef_cuda import Decider
+    from clef_cuda.decider import Decider
     from clef_cuda.request import answers
 
     started = time.perf_counter()
@@ -112,7 +112,7 @@ def run_configuration(release: str, device: str | None, configuration: Configura
 
 
 def _request_images(request, decider):
-    from clef_cuda.decider import request_images
+    from clef_cuda.request.images import request_images
 
     return request_images(request, decider.options.image_limits)
 

@@ -33,7 +33,7 @@ from clef_cuda.request.images import (
     PreparedImage,
     load_images,
     load_processor_config,
-    wire_image_bytes,
+    request_images,
 )
 
 DEFAULT_BLOCK_SIZE = 16
@@ -196,7 +196,9 @@ class Decider:
         return resident_weights(self.trunk, self.head, self.vision)
 
     def prepare_images(self, blobs: list[bytes]) -> list[PreparedImage]:
-        """Image bytes -> the tower's inputs (checked, decoded, preprocessed as the release's processor)."""
+        """A request's image bytes, collected within the limits (clef_cuda.request.images.request_images, or the
+        HTTP forms: clef_cuda.request.media) -> the tower's inputs (their headers checked, decoded, preprocessed as
+        the release's processor)."""
         if not blobs:
             return []
         if self.vision is None:
@@ -267,25 +269,6 @@ class Decider:
         body = answers.response(request["model"], result, record.num_tokens)
         body.update(record.truncation_fields())
         return body
-
-
-def request_images(request: dict[str, Any], limits: ImageLimits) -> list[bytes]:
-    """The bytes of a request's `images` (the reference's field; Cloudflare and ollama forms). ImageError
-    for a bad entry or any `videos`, naming it."""
-    if request.get("videos"):
-        raise ImageError("video inputs are not supported", loc=("videos",))
-    entries = request.get("images") or []
-    if not isinstance(entries, list):
-        raise ImageError("images must be an array", loc=("images",))
-    if len(entries) > limits.max_images:
-        raise ImageError(f"{len(entries)} images; at most {limits.max_images} per request", loc=("images",))
-    blobs = []
-    for index, entry in enumerate(entries):
-        try:
-            blobs.append(wire_image_bytes(entry, limits))
-        except ImageError as error:
-            raise ImageError(f"image {index + 1}: {error}", error.status, ("images", index)) from error
-    return blobs
 
 
 def record_chunk(

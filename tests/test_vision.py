@@ -15,9 +15,8 @@ from random_requests import random_request
 from releases import clef_ratio_release, reference_model, tiny_release, vision_release
 
 from clef_cuda import Decider
-from clef_cuda.decider import request_images
 from clef_cuda.request import encoding
-from clef_cuda.request.images import ImageLimits, load_images, load_processor_config
+from clef_cuda.request.images import ImageLimits, load_images, load_processor_config, request_images
 from clef_cuda.serving.engine import Engine, EngineConfig
 
 RELEASES = {"tiny": tiny_release, "vision": vision_release}

@@ -13,9 +13,9 @@ from images import data_url, png
 from live import GatedEngine
 from releases import tiny_release, vision_release
 
-from app import server as server_module
 from app.server import ServerSettings, create_app
 from clef_cuda import Decider
+from clef_cuda import lifecycle as server_module
 from clef_cuda.serving.engine import Engine, EngineConfig
 
 KEY = "cf-token"

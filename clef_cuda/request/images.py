@@ -35,22 +35,47 @@ _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 class ImageError(ClefError, ValueError):
     """An image a client sent cannot be used: `status` 413 when it is over a byte or pixel limit, else 422;
-    `loc` points into the body (("images", 2), ("assets", "<image:...>"))."""
+    `loc` points into the body (("images", 2), ("assets", "<image:...>")); `error_type` names the kind of 422
+    ("value_error"; "multipart_invalid" for a multipart part no asset claims)."""
 
-    def __init__(self, message: str, status: int = 422, loc: tuple = ("images",)) -> None:
+    def __init__(self, message: str, status: int = 422, loc: tuple = ("images",), error_type: str = "value_error"):
         super().__init__(message)
-        self.status, self.loc = status, loc
+        self.status, self.loc, self.error_type = status, loc, error_type
 
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What one request's images may be (the server's --max-images and the documented fixed limits)."""
+    """What one request's images may be (the server's --max-images and the documented fixed limits). Each rule
+    is checked once a request, where its images are collected from the body (request_images; the HTTP forms:
+    clef_cuda.request.media), bytes before any decoding; the header's rules as they are loaded (load_images)."""
 
     max_images: int = 4
     max_bytes: int = 4 * 2**20  # each, decoded from base64
     max_total_bytes: int = 8 * 2**20
     max_pixels: int = 16 * 2**20  # 16 megapixels, read from the header before decoding
     max_aspect: float = 200.0  # the processor's own limit
+
+    def check_count(self, count: int, loc: tuple = ("images",)) -> None:
+        if count > self.max_images:
+            raise ImageError(
+                f"{count} images sent: at most {self.max_images} images per request (--max-images)", loc=loc
+            )
+
+    def check_size(self, size: int) -> None:
+        """One image's bytes (decoded from base64: known from its length before decoding)."""
+        if size > self.max_bytes:
+            raise ImageError(
+                f"the image is {size / 2**20:.1f} MiB: at most {self.max_bytes / 2**20:g} MiB per image", status=413
+            )
+
+    def check_total(self, sizes: list[int]) -> None:
+        total = sum(sizes)
+        if total > self.max_total_bytes:
+            raise ImageError(
+                f"the images add up to {total / 2**20:.1f} MiB: at most {self.max_total_bytes / 2**20:g} MiB of "
+                "images per request",
+                status=413,
+            )
 
 
 @dataclass(frozen=True)
@@ -100,10 +125,34 @@ def wire_image_bytes(item: Any, limits: ImageLimits) -> bytes:
             encoded = item
     else:
         raise ImageError("an image must be a data URL, a base64 string or a {content_type, base64} object")
-    # The size is known from the base64 length before decoding anything.
-    if len(encoded) // 4 * 3 > limits.max_bytes + 2:
-        raise image_too_large(len(encoded) // 4 * 3, limits)
+    limits.check_size(base64_size(encoded))  # known from the base64 before decoding anything
     return strict_base64(encoded, "the image data")
+
+
+def base64_size(encoded: str) -> int:
+    """The bytes standard base64 `encoded` decodes to (its padding counted), without decoding it."""
+    padding = len(encoded) - len(encoded.rstrip("="))
+    return len(encoded) // 4 * 3 - min(padding, 2)
+
+
+def request_images(request: dict[str, Any], limits: ImageLimits) -> list[bytes]:
+    """The bytes of a request's `images` (the reference's field; Cloudflare and ollama forms), within the limits:
+    what the in-process Decider and clef-serve batch take (the HTTP server's forms: clef_cuda.request.media).
+    ImageError for a bad entry or any `videos`, naming it."""
+    if request.get("videos"):
+        raise ImageError("video inputs are not supported", loc=("videos",))
+    entries = request.get("images") or []
+    if not isinstance(entries, list):
+        raise ImageError("images must be an array", loc=("images",))
+    limits.check_count(len(entries))
+    blobs = []
+    for index, entry in enumerate(entries):
+        try:
+            blobs.append(wire_image_bytes(entry, limits))
+        except ImageError as error:
+            raise ImageError(f"image {index + 1}: {error}", error.status, ("images", index)) from error
+    limits.check_total([len(b) for b in blobs])
+    return blobs
 
 
 # ---- headers ------------------------------------------------------------------------------------------
@@ -178,14 +227,6 @@ def _webp_header(data: bytes) -> ImageHeader:
         height = int.from_bytes(body[7:10], "little") + 1
         return ImageHeader("webp", width, height, 8, bool(flags & 0x02))
     raise ImageError("a truncated or corrupt WebP (no frame header)")
-
-
-def image_too_large(size: int, limits: ImageLimits) -> ImageError:
-    """The 413 for one image over its byte limit, naming its size and the limit (size: bytes, or the bytes its
-    base64 decodes to)."""
-    return ImageError(
-        f"the image is {size / 2**20:.1f} MiB: at most {limits.max_bytes / 2**20:g} MiB per image", status=413
-    )
 
 
 def check_header(header: ImageHeader, limits: ImageLimits) -> None:
@@ -366,22 +407,12 @@ def prepare_image(pixels: Tensor, config: ImageProcessorConfig) -> PreparedImage
 
 
 def load_images(blobs: list[bytes], config: ImageProcessorConfig, limits: ImageLimits) -> list[PreparedImage]:
-    """Check every image's header against the limits first (so a bad fourth image costs no decoding of the
-    first three), then decode and prepare them. ImageError names the image (1-based)."""
-    if len(blobs) > limits.max_images:
-        raise ImageError(f"{len(blobs)} images sent: at most {limits.max_images} images per request (--max-images)")
-    total = sum(len(b) for b in blobs)
-    if total > limits.max_total_bytes:
-        raise ImageError(
-            f"the images add up to {total / 2**20:.1f} MiB: at most {limits.max_total_bytes / 2**20:g} MiB of images "
-            "per request",
-            status=413,
-        )
+    """A request's images, collected within the byte limits (request_images, clef_cuda.request.media), decoded and
+    prepared: every image's header checked against the limits first (so a bad fourth image costs no decoding of
+    the first three), then each decoded. ImageError names the image (1-based)."""
     headers = []
     for number, blob in enumerate(blobs, start=1):
         try:
-            if len(blob) > limits.max_bytes:
-                raise image_too_large(len(blob), limits)
             header = inspect_image(blob)
             check_header(header, limits)
         except ImageError as error:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from clef_cuda.decider import Decider, record_chunk, request_images
+from clef_cuda.decider import Decider, record_chunk
 from clef_cuda.errors import ClefError, RequestTooLongError
 from clef_cuda.model.adapters import Adapter, AdapterBatch, AdapterRegistry
 from clef_cuda.model.fingerprint import CountSketch, Fingerprint, LayerProbe, sketch_positions
@@ -39,7 +39,7 @@ from clef_cuda.model.trunk import ChunkBatch
 from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
-from clef_cuda.request.images import PreparedImage
+from clef_cuda.request.images import PreparedImage, request_images
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
 from clef_cuda.serving.plan import CachePlan, plan_cache, shadow_run_bytes, step_activation_bytes
 from clef_cuda.verification.guarded_ops import KernelFault, as_kernel_fault

@@ -12,8 +12,10 @@ assets never referenced. Each placeholder is replaced in the text by `[image N]`
 in that list. Placeholders are the SDK's `<image:` + 32 hex digits + `>` wherever they occur in a
 string; any other asset name only as a whole string value (so an asset named "photo" does not rewrite
 every "photo" in the state). Nothing here fetches, opens or decodes anything: bytes and their checks
-only (clef_cuda.request.images decodes later, once the cheap limits passed). Errors are InvalidBody (422) or
-ClientError 413, naming the image.
+only (clef_cuda.request.images decodes later, once the cheap limits passed). The byte limits are checked here, once
+a request (ImageLimits: the count, each image's bytes before its base64 is decoded, their total). Errors are
+ImageError: 413 over a byte limit (its message naming the image's place: "assets.<image:...>: the image is ..."),
+else 422, `loc` the place in the body.
 """
 
 from __future__ import annotations
@@ -22,13 +24,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.intake import ClientError, InvalidBody
 from clef_cuda.request.encoding import question_options, render
-from clef_cuda.request.images import ImageError, ImageLimits, image_too_large, strict_base64, wire_image_bytes
+from clef_cuda.request.images import ImageError, ImageLimits, base64_size, strict_base64, wire_image_bytes
 
 SDK_PLACEHOLDER = re.compile(r"<image:[0-9a-f]{32}>")
 ASSET_FORMATS = ("png", "jpg", "jpeg", "webp")
-MAX_PARTS = 64  # multipart parts read at most (the request part plus assets)
 
 
 @dataclass
@@ -44,79 +44,11 @@ class RequestImages:
         return ["body", *error_loc]
 
 
-def _refuse(loc: list, error: ImageError | str, status: int = 422):
-    message = str(error)
-    if isinstance(error, ImageError):
-        status = error.status
-    if status == 413:
-        return ClientError(413, "request_too_large", f"{'.'.join(str(x) for x in loc[1:])}: {message}")
-    return InvalidBody(loc, message, "value_error")
-
-
-# ---- multipart -------------------------------------------------------------------------------------
-def parse_multipart(raw: bytes, content_type: str) -> tuple[bytes, dict[str, bytes]]:
-    """(the `request` part's bytes, the other parts by name). The body limit has already bounded `raw`."""
-    from python_multipart.multipart import MultipartParser, parse_options_header
-
-    _, options = parse_options_header(content_type.encode("latin-1", "replace"))
-    boundary = options.get(b"boundary")
-    if not boundary:
-        raise InvalidBody(["body"], "a multipart/form-data body needs a boundary parameter", "multipart_invalid")
-    parts: dict[str, bytes] = {}
-    current: dict[str, Any] = {}
-
-    def on_part_begin() -> None:
-        current.clear()
-        current.update(header_field=b"", header_value=b"", headers={}, data=bytearray())
-
-    def on_header_field(data: bytes, start: int, end: int) -> None:
-        current["header_field"] += data[start:end]
-
-    def on_header_value(data: bytes, start: int, end: int) -> None:
-        current["header_value"] += data[start:end]
-
-    def on_header_end() -> None:
-        current["headers"][current["header_field"].lower()] = current["header_value"]
-        current["header_field"] = current["header_value"] = b""
-
-    def on_part_data(data: bytes, start: int, end: int) -> None:
-        current["data"] += data[start:end]
-
-    def on_part_end() -> None:
-        _, disposition = parse_options_header(current["headers"].get(b"content-disposition", b""))
-        name = disposition.get(b"name", b"").decode("utf-8", "replace")
-        if not name:
-            raise InvalidBody(["body"], "a multipart part has no name", "multipart_invalid")
-        if name in parts:
-            raise InvalidBody(["body"], f"multipart part {name!r} appears twice", "multipart_invalid")
-        if len(parts) >= MAX_PARTS:
-            raise InvalidBody(["body"], f"more than {MAX_PARTS} multipart parts", "multipart_invalid")
-        parts[name] = bytes(current["data"])
-
-    callbacks = {
-        "on_part_begin": on_part_begin,
-        "on_header_field": on_header_field,
-        "on_header_value": on_header_value,
-        "on_header_end": on_header_end,
-        "on_part_data": on_part_data,
-        "on_part_end": on_part_end,
-    }
-    try:
-        parser = MultipartParser(boundary, callbacks)
-        parser.write(raw)
-        parser.finalize()
-    except InvalidBody:
-        raise
-    except Exception as error:  # python_multipart raises its own MultipartParseError and ValueErrors
-        raise InvalidBody(
-            ["body"], f"the multipart/form-data body is malformed: {error}", "multipart_invalid"
-        ) from error
-    request = parts.pop("request", None)
-    if request is None:
-        raise InvalidBody(
-            ["body"], "a multipart body needs a part named 'request' (the JSON body)", "multipart_invalid"
-        )
-    return request, parts
+def _refuse(loc: list, error: ImageError | str, error_type: str = "value_error") -> ImageError:
+    """The error for the image at `loc` (["body", ...]): a 413 names its place in its message."""
+    if isinstance(error, ImageError) and error.status == 413:
+        return ImageError(f"{'.'.join(str(x) for x in loc[1:])}: {error}", 413, tuple(loc[1:]))
+    return ImageError(str(error), 422, tuple(loc[1:]), error_type)
 
 
 # ---- the four forms --------------------------------------------------------------------------------
@@ -126,20 +58,15 @@ def collect_images(body: dict[str, Any], parts: dict[str, bytes] | None, limits:
     found = RequestImages()
     videos = body.get("videos")
     if videos:
-        raise InvalidBody(["body", "videos"], "video inputs are not supported (images only)", "value_error")
+        raise _refuse(["body", "videos"], "video inputs are not supported (images only)", "value_error")
     entries = body.get("images")
     if entries is not None and not isinstance(entries, list):
-        raise InvalidBody(["body", "images"], "images must be an array", "value_error")
+        raise _refuse(["body", "images"], "images must be an array", "value_error")
     assets = body.get("assets")
     if assets is not None and not isinstance(assets, dict):
-        raise InvalidBody(["body", "assets"], "assets must be an object: placeholder -> asset", "value_error")
+        raise _refuse(["body", "assets"], "assets must be an object: placeholder -> asset", "value_error")
     entries, assets = entries or [], assets or {}
-    if len(entries) + len(assets) > limits.max_images:
-        raise InvalidBody(
-            ["body", "images" if entries else "assets"],
-            f"{len(entries) + len(assets)} images sent: at most {limits.max_images} images per request (--max-images)",
-            "value_error",
-        )
+    limits.check_count(len(entries) + len(assets), ("images" if entries else "assets",))
     for index, entry in enumerate(entries):
         try:
             found.images.append(wire_image_bytes(entry, limits))
@@ -153,7 +80,8 @@ def collect_images(body: dict[str, Any], parts: dict[str, bytes] | None, limits:
         found.sources.append(loc)
     if parts is not None and set(parts) - claimed:
         unclaimed = sorted(set(parts) - claimed)[0]
-        raise InvalidBody(["body"], f"multipart part {unclaimed!r} is claimed by no asset", "multipart_invalid")
+        raise _refuse(["body"], f"multipart part {unclaimed!r} is claimed by no asset", "multipart_invalid")
+    limits.check_total([len(image) for image in found.images])
     if assets:
         _render_placeholders(
             body, {name: len(entries) + i + 1 for i, name in enumerate(_assets_in_record_order(body, assets))}
@@ -179,7 +107,7 @@ def _refuse_unattached_placeholders(body: dict[str, Any]) -> None:
         text = value if isinstance(value, str) else render(value)
         found = SDK_PLACEHOLDER.search(text) if "<image:" in text else None
         if found:
-            raise InvalidBody(
+            raise _refuse(
                 loc,
                 f"{found[0]} names an image the request does not carry: no asset of that name (attach it with "
                 "the SDK's client.attach_assets(image) or assets=, or remove the placeholder)",
@@ -189,30 +117,34 @@ def _refuse_unattached_placeholders(body: dict[str, Any]) -> None:
 
 def _asset_bytes(asset: Any, parts: dict[str, bytes] | None, claimed: set[str], loc: list, limits) -> bytes:
     if not isinstance(asset, dict) or asset.get("type") != "image":
-        raise InvalidBody(loc, 'an asset must be {"type": "image", ...}', "value_error")
+        raise _refuse(loc, 'an asset must be {"type": "image", ...}', "value_error")
     declared = asset.get("format")
     if declared is not None and (not isinstance(declared, str) or declared.lower() not in ASSET_FORMATS):
-        raise InvalidBody([*loc, "format"], f"format must be one of {', '.join(ASSET_FORMATS)}", "value_error")
+        raise _refuse([*loc, "format"], f"format must be one of {', '.join(ASSET_FORMATS)}", "value_error")
     if "part" in asset:
         name = asset["part"]
         if parts is None:
-            raise InvalidBody(
+            raise _refuse(
                 [*loc, "part"], "an asset names a multipart part, but the body is not multipart", "value_error"
             )
         if not isinstance(name, str) or name not in parts:
-            raise InvalidBody([*loc, "part"], f"no multipart part named {str(name)[:60]!r}", "value_error")
+            raise _refuse([*loc, "part"], f"no multipart part named {str(name)[:60]!r}", "value_error")
         if name in claimed:
-            raise InvalidBody([*loc, "part"], f"multipart part {name!r} is claimed by two assets", "value_error")
+            raise _refuse([*loc, "part"], f"multipart part {name!r} is claimed by two assets", "value_error")
         claimed.add(name)
         data = parts[name]
-        if len(data) > limits.max_bytes:
-            raise _refuse(loc, image_too_large(len(data), limits))
+        try:
+            limits.check_size(len(data))
+        except ImageError as error:
+            raise _refuse(loc, error) from error
         return data
     encoded = asset.get("data_base64")
     if not isinstance(encoded, str):
-        raise InvalidBody(loc, "an image asset needs data_base64 (or, in a multipart body, part)", "value_error")
-    if len(encoded) // 4 * 3 > limits.max_bytes + 2:
-        raise _refuse(loc, image_too_large(len(encoded) // 4 * 3, limits))
+        raise _refuse(loc, "an image asset needs data_base64 (or, in a multipart body, part)", "value_error")
+    try:
+        limits.check_size(base64_size(encoded))
+    except ImageError as error:
+        raise _refuse(loc, error) from error
     try:
         return strict_base64(encoded, "data_base64")
     except ImageError as error:
