@@ -23,7 +23,15 @@ class Metrics:
 
     def __init__(self, vllm_aliases: bool = True) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._totals: dict[str, float] = {}  # the engine's totals last exported, per counter
+        self._add_request_families(self.registry)
+        self._add_engine_families(self.registry)
+        self._add_router_families(self.registry, vllm_aliases)
+        self._add_verification_families(self.registry)
+        self._add_variant_families(self.registry)
+
+    def _add_request_families(self, r: CollectorRegistry) -> None:
+        """What clients asked and how long it took."""
         self.requests = Counter("clef_requests", "System One requests by HTTP status", ["status"], registry=r)
         self.latency = Histogram(
             "clef_request_latency_seconds",
@@ -41,6 +49,15 @@ class Metrics:
         self.cached_tokens = Counter(
             "clef_cached_tokens", "Input tokens served from the prefix cache instead of recomputed", registry=r
         )
+        self.tokenized_characters = Counter(
+            "clef_tokenized_characters",
+            "Characters of client text tokenised: bounded by the token budget, not by the body (a refused huge state "
+            "costs about one budget's worth)",
+            registry=r,
+        )
+
+    def _add_engine_families(self, r: CollectorRegistry) -> None:
+        """The engine's queue, batch, KV blocks, state slots, prefix cache, weights and vision tower."""
         self.queue_depth = Gauge("clef_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("clef_running_sequences", "Sequences being prefilled", registry=r)
         self.kv_blocks_used = Gauge("clef_kv_blocks_used", "KV cache blocks in use (sequences and cache)", registry=r)
@@ -78,8 +95,9 @@ class Metrics:
             "clef_vision_cache_hits", "Images whose tower output came from the cache", registry=r
         )
         self.vision_cache_misses = Counter("clef_vision_cache_misses", "Images that went through the tower", registry=r)
-        self._totals: dict[str, float] = {}  # the engine's totals last exported, per counter
-        # Protocol metrics for inference routers.
+
+    def _add_router_families(self, r: CollectorRegistry, vllm_aliases: bool) -> None:
+        """The protocol metrics inference routers read, and (vllm_aliases) their copies under vLLM's names."""
         self.cache_usage = Gauge(
             "clef_cache_usage_ratio",
             "0..1: max(KV blocks live sequences hold / all blocks, running state slots held / all); "
@@ -120,6 +138,9 @@ class Metrics:
                     registry=r,
                 ),
             }
+
+    def _add_verification_families(self, r: CollectorRegistry) -> None:
+        """The self-check's (made when one runs: observe_selfcheck) and the shadow's."""
         self._selfcheck: tuple[Gauge, Gauge, Gauge, Gauge] | None = None  # made by observe_selfcheck
         self._selfcheck_seen = None  # the last report exported (the engine's timed runs replace it)
         self.shadow_checks = Counter(
@@ -140,12 +161,6 @@ class Metrics:
         )
         for result in ("match", "mismatch", "marginal", "dropped"):
             self.shadow_checks.labels(result=result)
-        self.tokenized_characters = Counter(
-            "clef_tokenized_characters",
-            "Characters of client text tokenised: bounded by the token budget, not by the body (a refused huge state "
-            "costs about one budget's worth)",
-            registry=r,
-        )
         self.shadow_mismatches = Counter(
             "clef_shadow_mismatches",
             "Shadow mismatches by where they first appeared: the layer (its index) and its kind (delta net, "
@@ -153,6 +168,9 @@ class Metrics:
             ["layer", "kind"],
             registry=r,
         )
+
+    def _add_variant_families(self, r: CollectorRegistry) -> None:
+        """LoRA variants and the decisions of each model."""
         self.adapters_loaded = Gauge("clef_adapters_loaded", "Fine-tuned variants being served", registry=r)
         self.adapter_slots = Gauge("clef_adapter_slots", "Variants the server can hold (--max-adapters)", registry=r)
         self.adapter_bytes = Gauge("clef_adapter_bytes", "Device memory of the loaded variants", registry=r)
@@ -306,3 +324,23 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LifecycleMetrics:
+    """The lifecycle's reports (clef_cuda.lifecycle.Observer) as these metrics: clef_ready, the self-check's and
+    the autotune's families, the start-up adapter loads."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def ready(self, ready: bool) -> None:
+        self.metrics.ready.set(1 if ready else 0)
+
+    def selfcheck(self, report) -> None:
+        self.metrics.observe_selfcheck(report)
+
+    def autotune(self, report) -> None:
+        self.metrics.observe_autotune(report)
+
+    def adapters_loaded(self, count: int) -> None:
+        self.metrics.adapter_loads.labels(result="ok").inc(count)

@@ -83,7 +83,8 @@ class SystemOneRequest(BaseModel):
     questions: dict[QuestionId, Question] = Field(
         min_length=QUESTIONS_PER_REQUEST[0], max_length=QUESTIONS_PER_REQUEST[1]
     )
-    # Images (app/media.py): data URLs, {content_type, base64} objects or plain base64 (Cloudflare, ollama)...
+    # Images (clef_cuda/request/media.py): data URLs, {content_type, base64} objects or plain base64 (Cloudflare,
+    # ollama)...
     images: list[str | ImageObject] | None = None
     # ... or TypeSafe assets, referenced by placeholders in the text. Videos are refused (a 422).
     assets: dict[str, ImageAsset] | None = None

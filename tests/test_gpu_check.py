@@ -45,7 +45,7 @@ def test_the_dry_run_fails_naming_a_module_missing_from_both_lists(tmp_path):
     without.write_text("\n".join(line for line in wheels.splitlines() if not line.startswith("fastapi")))
     result = dry_run("--no-collect", "--wheels", str(without))
     assert result.returncode == 1
-    assert "FAIL module fastapi (distribution fastapi, imported by app/intake.py" in result.stdout, result.stdout
+    assert "FAIL module fastapi (distribution fastapi, imported by app/auth.py" in result.stdout, result.stdout
     without_core = tmp_path / "without-pydantic-core.txt"
     without_core.write_text("\n".join(line for line in wheels.splitlines() if not line.startswith("pydantic-core")))
     result = dry_run("--no-collect", "--wheels", str(without_core))

@@ -338,7 +338,7 @@ def test_a_sticky_fault_while_serving_exits_naming_the_kernel_and_the_restart_ru
     the test arms it, after start-up): the request gets a 503, the process
     exits with EXIT_KERNEL_FAULT after one line naming the op and kernel, the autotune cache records it, and
     the next start serves the same request right, rms_norm_rope on the reference."""
-    from app.server import EXIT_KERNEL_FAULT
+    from clef_cuda.lifecycle import EXIT_KERNEL_FAULT
 
     release = tiny_release()
     cache = tmp_path / "autotune"
@@ -411,8 +411,8 @@ def test_an_autotune_that_raises_still_leaves_the_fault_handler_wired_and_the_op
     instead of a black-hole pod whose /ready stays 200."""
     from fastapi.testclient import TestClient
 
-    from app import server as server_module
     from app.server import ServerSettings, create_app
+    from clef_cuda import lifecycle as server_module
     from clef_cuda.serving.engine import Engine
 
     def broken(*args, **kwargs):

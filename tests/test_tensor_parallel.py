@@ -500,7 +500,7 @@ def test_a_sticky_fault_on_a_worker_is_recorded_and_the_restart_runs_without_tha
     """rms_norm_rope leaves a sticky CUDA error on rank 1 (test-only, once armed): the worker names the kernel before
     it exits; the request gets 503, the server records the kernel in its autotune cache and exits 4 (not 5: a
     restart must skip the kernel, not just restart the ranks); the next start runs every rank without it."""
-    from app.server import EXIT_KERNEL_FAULT
+    from clef_cuda.lifecycle import EXIT_KERNEL_FAULT
 
     armed, cache = tmp_path / "armed", tmp_path / "autotune"
     faults = {FAULT_ENV: "sticky_when_armed", ARMED_ENV: str(armed)}
