@@ -148,7 +148,7 @@ def test_ready_and_metrics_show_the_choices(tiny):
 
 
 def test_the_modes_the_cli_offers_are_the_autotunes():
-    from app.cli import AUTOTUNE_MODES
+    from app.cli.flags import AUTOTUNE_MODES
 
     assert AUTOTUNE_MODES == tunes.AUTOTUNE_MODES
     with pytest.raises(ValueError, match="--autotune must be one of"):

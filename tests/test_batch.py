@@ -321,7 +321,7 @@ def test_a_verification_refusal_stops_the_run_and_the_rerun_asks_the_rest(
     the refused row held; the rerun, on a server that answers (restarted), writes the rest, none asked twice.
     The old behaviour, each remaining row retried three times and written "failed" (a rerun never asking them
     again), fails this."""
-    from app import cli
+    from app.cli import batch as batch_command
 
     engines, asked = [], []
     config = EngineConfig(max_num_seqs=4, prefill_chunk_size=256, max_model_len=8192, kv_fraction=0.2)
@@ -342,7 +342,7 @@ def test_a_verification_refusal_stops_the_run_and_the_rerun_asks_the_rest(
         if len(engines) == 1 and self.rows == 5:
             engines[0].shadow.failure = "3 shadow mismatches (injected)"
 
-    monkeypatch.setattr(cli, "make_engine", engine_for)
+    monkeypatch.setattr(batch_command, "make_engine", engine_for)
     monkeypatch.setattr(batch.Summary, "count", count_then_fail)
     source, sink = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = noul_rows(40)

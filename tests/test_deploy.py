@@ -17,7 +17,7 @@ import pytest
 import tomllib
 import yaml
 
-from app.cli import build_parser
+from app.cli.flags import build_parser
 from app.metrics import Metrics
 from app.server import ServerSettings, create_app
 

@@ -107,7 +107,7 @@ def test_bad_model_directory_is_a_one_line_error(tmp_path):
 
 
 def test_seed_deployment_arguments_parse():
-    from app.cli import build_parser
+    from app.cli.flags import build_parser
 
     seed = [
         "--w",
@@ -135,7 +135,8 @@ def test_seed_deployment_arguments_parse():
 def test_the_served_name_follows_the_release(tmp_path):
     """clef 27B is served as `clef`, clef-flash (and any other release) as `clef-flash`: the hosted API's two
     names; /v1/models describes which; --served-model-name overrides the name; no --w: the embedded clef-tiny."""
-    from app.cli import build_parser, served_model
+    from app.cli.checks import served_model
+    from app.cli.flags import build_parser
 
     def named(*flags: str) -> tuple[str, str]:
         return served_model(build_parser().parse_args(list(flags)))
@@ -149,7 +150,8 @@ def test_the_served_name_follows_the_release(tmp_path):
 
 
 def test_client_special_tokens_reach_the_tokenizer():
-    from app.cli import build_parser, make_decider
+    from app.cli.engine import make_decider
+    from app.cli.flags import build_parser
 
     args = build_parser().parse_args(["--d", "cpu", "--client-special-tokens", "text"])
     args.weights = str(tiny_release())

@@ -338,18 +338,19 @@ def test_the_serving_dtype_follows_the_card(monkeypatch, capability, requested, 
 @pytest.mark.parametrize("capability", [(7, 0), (7, 5), (6, 1)])
 def test_bf16_before_sm_80_is_a_one_line_error_naming_f16(monkeypatch, capability):
     """V100 and T4 have no bf16 arithmetic: refused in one line (the CLI's exit 2), naming the card and f16."""
-    from app import cli
+    from app.cli import engine
+    from app.cli.flags import build_parser
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
-    monkeypatch.setattr(cli, "resolve_device", lambda text: torch.device("cuda:0"))
-    args = cli.build_parser().parse_args(["--dtype", "bf16"])
+    monkeypatch.setattr(engine, "resolve_device", lambda text: torch.device("cuda:0"))
+    args = build_parser().parse_args(["--dtype", "bf16"])
     with pytest.raises(
         ValueError, match=r"--dtype bf16 needs sm_80 or newer .*Tesla V100-SXM2-16GB is sm_\d+: serve --dtype f16"
     ):
-        cli.resolve_dtype(args)
-    args = cli.build_parser().parse_args([])
-    cli.resolve_dtype(args)
+        engine.resolve_dtype(args)
+    args = build_parser().parse_args([])
+    engine.resolve_dtype(args)
     assert args.dtype == ("f32" if capability == (6, 1) else "f16")
 
 

@@ -387,7 +387,7 @@ def test_bad_verification_flags_are_one_line_errors(flags, words):
 
 
 def test_durations_parse():
-    from app.cli import _duration
+    from app.cli.flags import _duration
 
     assert _duration("1h") == 3600 and _duration("30m") == 1800 and _duration("90s") == 90 and _duration("45") == 45
     assert _duration("off") is None

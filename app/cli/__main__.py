@@ -1,0 +1,5 @@
+import sys
+
+from app.cli.serve import main
+
+sys.exit(main())
