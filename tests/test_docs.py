@@ -1,14 +1,22 @@
 """The front page and the manual: README.md stays a front page (the two commands, the flags a first deployment
-needs, /ready, a link per feature), and every relative link in README.md and docs/ reaches a file and, where it
-names one, a heading there. Each check returns its problems and is shown to catch an injected fault."""
+needs, /ready, a link per feature), every relative link in README.md, docs/, training/README.md and
+benchmarks/RESULTS.md reaches a file and, where it names one, a heading there, and every flag of clef-serve (and of
+clef-serve batch) is in docs/operations.md's flag table. Each check returns its problems and is shown to catch an
+injected fault."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "training" / "README.md",
+    ROOT / "benchmarks" / "RESULTS.md",
+]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FRONT_PAGE_LINES = 200
 
@@ -119,7 +127,7 @@ def help_problems(parser) -> list[str]:
 
 
 def test_every_flag_is_in_a_group_and_says_its_default():
-    from app.cli import build_parser
+    from app.cli.flags import build_parser
 
     parser = build_parser()
     assert not help_problems(parser), help_problems(parser)
@@ -156,7 +164,8 @@ def one_line_problems(parser) -> list[str]:
 def test_every_flag_is_one_line_that_names_its_unit():
     """clef-serve --help (and clef-serve batch's): one line a flag at 120 columns, default included, a number's
     unit in its metavar; the details are docs/operations.md's flag table."""
-    from app.cli import build_batch_parser, build_parser
+    from app.cli.batch import build_batch_parser
+    from app.cli.flags import build_parser
 
     for parser in (build_parser(), build_batch_parser()):
         assert not one_line_problems(parser), one_line_problems(parser)
@@ -166,3 +175,42 @@ def test_every_flag_is_one_line_that_names_its_unit():
         "--stray-limit: its help takes more than one line",
         "--stray-limit: its metavar None names no unit",
     ]
+
+
+# ---- docs/operations.md's flag table names every flag ----------------------------------------------------
+OPERATIONS = ROOT / "docs" / "operations.md"
+
+
+def flags_section(text: str) -> str:
+    """docs/operations.md's "## Flags" section: from its heading to the next one of its level."""
+    return re.search(r"^## Flags\n(.*?)(?=^## |\Z)", text, re.S | re.M).group(1)
+
+
+def undocumented_flags(parser, text: str) -> list[str]:
+    """Each option string of `parser` (aliases included) that `text` never names as a whole flag."""
+    problems = []
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        for flag in action.option_strings:
+            if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text):
+                problems.append(f"{flag}: not in docs/operations.md")
+    return problems
+
+
+def test_every_flag_is_in_the_operations_guide():
+    """--help has one line a flag; docs/operations.md's table says what each does. A flag added to the parser
+    without its row there fails here (the batch command's own flags too)."""
+    from app.cli.batch import build_batch_parser
+    from app.cli.flags import build_parser
+
+    text = flags_section(OPERATIONS.read_text())
+    for parser in (build_parser(), build_batch_parser()):
+        assert not undocumented_flags(parser, text), undocumented_flags(parser, text)
+    broken = build_parser()
+    broken.add_argument("--stray-flag", type=int, default=3, help="a flag nobody wrote down (default: 3)")
+    assert undocumented_flags(broken, text) == ["--stray-flag: not in docs/operations.md"]
+    prefixes = argparse.ArgumentParser()  # a flag named only as the start of a longer one is not named
+    prefixes.add_argument("--adapter")
+    prefixes.add_argument("--adapter-root")
+    assert undocumented_flags(prefixes, "| `--adapter-root` | none |") == ["--adapter: not in docs/operations.md"]
