@@ -10,7 +10,10 @@ Totals the engine keeps (prefix-cache hits, images, vision time, ...) are export
 
 from __future__ import annotations
 
+import math
+import threading
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -59,6 +62,9 @@ class Metrics:
     def _add_engine_families(self, r: CollectorRegistry) -> None:
         """The engine's queue, batch, KV blocks, state slots, prefix cache, weights and vision tower."""
         self.queue_depth = Gauge("clef_queue_depth", "Requests waiting for the engine", registry=r)
+        self.queue_limit = Gauge(
+            "clef_queue_limit", "Waiting requests before new ones get 503 (--max-queue)", registry=r
+        )
         self.running = Gauge("clef_running_sequences", "Sequences being prefilled", registry=r)
         self.kv_blocks_used = Gauge("clef_kv_blocks_used", "KV cache blocks in use (sequences and cache)", registry=r)
         self.kv_blocks_total = Gauge("clef_kv_blocks_total", "KV cache blocks", registry=r)
@@ -82,6 +88,19 @@ class Metrics:
             registry=r,
         )
         self.ready = Gauge("clef_ready", "1 when the model is loaded, warmed up and taking requests", registry=r)
+        self.start_time = Gauge(
+            "clef_start_time_seconds", "Unix time this server process started (a change is a restart)", registry=r
+        )
+        self.start_time.set(time.time())
+        self.failed = Gauge(
+            "clef_failed",
+            "1 when the server failed, by kind: load, selfcheck (it stays up, unready), kernel_fault (exit 4) or "
+            "rank_lost (exit 5; both a second after the failure: a scrape may miss them, the pod's exit code is kept)",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("load", "selfcheck", "kernel_fault", "rank_lost"):
+            self.failed.labels(kind=kind).set(0)
         self.weight_bytes = Gauge(
             "clef_weight_bytes",
             "Device bytes of the resident weights by part (int8 under --quantize int8)",
@@ -241,6 +260,7 @@ class Metrics:
         if engine is None:
             return
         self.queue_depth.set(engine.queue_depth)
+        self.queue_limit.set(engine.config.max_queue)
         self.running.set(engine.running)
         shadow = engine.shadow.stats
         for result in ("match", "mismatch", "marginal", "dropped"):
@@ -336,6 +356,9 @@ class LifecycleMetrics:
     def ready(self, ready: bool) -> None:
         self.metrics.ready.set(1 if ready else 0)
 
+    def failed(self, kind: str) -> None:
+        self.metrics.failed.labels(kind=kind).set(1)
+
     def selfcheck(self, report) -> None:
         self.metrics.observe_selfcheck(report)
 
@@ -344,3 +367,50 @@ class LifecycleMetrics:
 
     def adapters_loaded(self, count: int) -> None:
         self.metrics.adapter_loads.labels(result="ok").inc(count)
+
+
+class RecentDecisions:
+    """The decision requests of the last `window` seconds, for the status page (Prometheus keeps the history):
+    how many by status, latency percentiles of the answered ones, their prefix-cache hits and cached input share."""
+
+    def __init__(self, window: float = 600.0, clock=time.monotonic) -> None:
+        self.window, self.clock = window, clock
+        self._seen: deque[tuple[float, int, float, int, int]] = deque()  # (when, status, seconds, tokens, cached)
+        self._lock = threading.Lock()
+
+    def record(self, status: int, seconds: float, result: dict | None) -> None:
+        tokens = result["usage"]["input_tokens"] if result is not None else 0
+        cached = result.get("x_cached_tokens", 0) if result is not None else 0
+        with self._lock:
+            self._seen.append((self.clock(), status, seconds, tokens, cached))
+            self._forget()
+
+    def _forget(self) -> None:
+        horizon = self.clock() - self.window
+        while self._seen and self._seen[0][0] < horizon:
+            self._seen.popleft()
+
+    def summary(self) -> dict:
+        with self._lock:
+            self._forget()
+            seen = list(self._seen)
+        answered = [entry for entry in seen if entry[1] == 200]
+        latencies = sorted(entry[2] * 1e3 for entry in answered)
+
+        def percentile(q: float) -> float | None:  # nearest rank
+            return latencies[min(len(latencies) - 1, math.ceil(q * len(latencies)) - 1)] if latencies else None
+
+        by_status: dict[str, int] = {}
+        for entry in seen:
+            by_status[str(entry[1])] = by_status.get(str(entry[1]), 0) + 1
+        tokens = sum(entry[3] for entry in answered)
+        return {
+            "window_seconds": self.window,
+            "requests": len(seen),
+            "per_minute": len(seen) * 60.0 / self.window,
+            "by_status": dict(sorted(by_status.items())),
+            "answered": len(answered),
+            "latency_ms": {"p50": percentile(0.5), "p90": percentile(0.9), "p99": percentile(0.99)},
+            "prefix_cache_hits": sum(entry[4] > 0 for entry in answered) if answered else None,
+            "cached_token_share": sum(entry[4] for entry in answered) / tokens if tokens else None,
+        }

@@ -91,6 +91,7 @@ class Observer(Protocol):
     """What the lifecycle reports as it goes (the app's metrics)."""
 
     def ready(self, ready: bool) -> None: ...
+    def failed(self, kind: str) -> None: ...
     def selfcheck(self, report: SelfCheckReport) -> None: ...
     def autotune(self, report: AutotuneReport) -> None: ...
     def adapters_loaded(self, count: int) -> None: ...
@@ -98,6 +99,9 @@ class Observer(Protocol):
 
 class _Silent:
     def ready(self, ready: bool) -> None:
+        pass
+
+    def failed(self, kind: str) -> None:
         pass
 
     def selfcheck(self, report: SelfCheckReport) -> None:
@@ -157,6 +161,7 @@ class Lifecycle:
                 return
             self.phase, self.failure = Phase.FAILED, Failure(kind, reason, exit_code)
         self.observer.ready(False)
+        self.observer.failed(kind)
         if exit_code is not None:
             log.critical("clef-serve: %s; %sexiting (%d)", reason, f"{detail}; " if detail else "", exit_code)
             self._exit_later(exit_code, self.settings.exit_delay)

@@ -182,6 +182,7 @@ CUSTOM_KINDS = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"),
     ("networking.istio.io/v1", "DestinationRule"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),  # its groups: tests/test_prometheus_rules.py
 }
 # What clef-serve exports (GET /metrics) under its own names: the only names our engineConfig may use.
 CLEF_METRICS = {

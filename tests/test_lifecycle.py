@@ -63,6 +63,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.ready: list[bool] = []
+        self.failed: list[str] = []
         self.exits: list[int] = []
         self.phases: list[Phase] = []
         self.selfchecks: list[SelfCheckReport] = []
@@ -75,6 +76,9 @@ class Recorder:
         class Observer:
             def ready(self, ready: bool) -> None:
                 recorder.ready.append(ready)
+
+            def failed(self, kind: str) -> None:
+                recorder.failed.append(kind)
 
             def selfcheck(self, report) -> None:
                 recorder.selfchecks.append(report)
@@ -149,6 +153,7 @@ def test_a_load_that_raises_fails_unready_and_a_lost_rank_exits(tools, recorder)
 
     lifecycle.load(broken)
     assert lifecycle.phase is Phase.FAILED and recorder.exits == [] and recorder.phases == []
+    assert recorder.failed == ["load"]  # clef_failed{kind="load"}
     assert lifecycle.readiness() == (False, "failed", "FileNotFoundError: config.json")
     assert lifecycle.refusal().message == "the model failed to load: FileNotFoundError: config.json"
 
@@ -242,7 +247,7 @@ def test_failed_is_final_and_the_first_failure_is_kept(tools, recorder):
     engine = FakeEngine()
     lifecycle.start(engine)
     assert lifecycle.phase is Phase.FAILED and lifecycle.failure.reason == "first"
-    assert recorder.exits == [] and engine.calls == [] and recorder.phases == []
+    assert recorder.exits == [] and engine.calls == [] and recorder.phases == [] and recorder.failed == ["load"]
 
 
 def test_a_drain_during_warm_up_stops_the_start_and_reaches_the_engine(tools, recorder):
