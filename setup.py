@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_ARCHS = ["6.0", "7.0", "7.5", "8.0", "9.0+PTX", "10.0", "12.0"]
 # The embedded default model (clef_cuda/model/default_model.py), and the torch the extension was built
 # against (clef_cuda/kernels/extension.py checks it at import).
-PACKAGE_DATA = {"clef_cuda": ["assets/clef-tiny/*", "BUILT_WITH_TORCH"]}
+PACKAGE_DATA = {"clef_cuda": ["assets/clef-tiny/*", "BUILT_WITH_TORCH"], "app": ["static/*"]}
 BUILT_WITH_TORCH = ROOT / "clef_cuda" / "BUILT_WITH_TORCH"
 TORCH_FLOOR = "2.7.1"  # the V100 image's torch (Dockerfile TORCH_VERSION), tested by scripts/torch_floor_check.sh
 DEPENDENCIES = [

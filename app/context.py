@@ -3,12 +3,13 @@ its metrics. One ServerContext per app, on app.state.context; a route reaches it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
 from app.intake import ClientError
-from app.metrics import Metrics
+from app.metrics import Metrics, RecentDecisions
 from app.responses import RETRY_AFTER_SECONDS
 from clef_cuda.lifecycle import Lifecycle
 
@@ -37,6 +38,10 @@ class ServerSettings:
     adapter_root: str | None = None  # set: runtime adapter loading is on, from under this directory only
     vllm_metric_aliases: bool = True  # the protocol gauges under vLLM's names too
     max_json_depth: int = 256  # deeper bodies are a 422 before they are parsed
+    otlp_traces_endpoint: str | None = None  # set: a trace per decision request, exported there (app.tracing)
+    status_page: bool = True  # GET /: the status page (app/routes/status_page.py)
+    quantize: str = "none"  # what the status page says the weights are (the CLI's --quantize)
+    tensor_parallel_size: int = 1  # the cards the trunk is sharded over (the CLI's --tensor-parallel-size)
 
 
 @dataclass
@@ -44,6 +49,8 @@ class ServerContext:
     settings: ServerSettings
     lifecycle: Lifecycle
     metrics: Metrics
+    tracing: Any = None  # app.tracing.Tracing when traces are on
+    recent: RecentDecisions = field(default_factory=RecentDecisions)  # the last minutes, for the status page
 
     @property
     def names(self) -> set[str]:

@@ -25,7 +25,7 @@ from app import workers_ai
 from app.auth import MISSING_KEY, key_is_valid
 from app.context import ServerContext, context_of
 from app.intake import ClientError, InvalidBody, decompress, parse_json, parse_multipart, read_body
-from app.logs import log_decision, request_id_of
+from app.logs import current_request, log_decision, request_id_of
 from app.responses import (
     RETRY_AFTER_SECONDS,
     error_response,
@@ -57,6 +57,11 @@ async def frame(
     context = context_of(request)
     started = time.perf_counter()
     request.state.request_id = request_id_of(request)
+    trace = None
+    if context.tracing is not None:
+        trace = context.tracing.start(request.method, request.url.path, request.headers, request.state.request_id)
+    request.state.trace = trace
+    current = current_request.set((request.state.request_id, trace.trace_id if trace is not None else None))
     context.lifecycle.in_flight += 1
     try:
         response = await decide()
@@ -75,6 +80,17 @@ async def frame(
     if response.status_code == 200:
         context.metrics.latency.observe(seconds)
     log_decision(request, response.status_code, seconds)
+    context.recent.record(response.status_code, seconds, getattr(request.state, "result", None))
+    if trace is not None:
+        state = request.state
+        trace.finish(
+            response.status_code,
+            getattr(state, "model", None),
+            getattr(state, "variant", False),
+            getattr(state, "result", None),
+            getattr(state, "error_type", None),
+        )
+    current_request.reset(current)
     return response
 
 
@@ -154,7 +170,8 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
         )
     if not variant:
         body["model"] = context.settings.served_model_name  # answer with the served name, also for the alias
-    request.state.model = body["model"]
+    request.state.model, request.state.variant = body["model"], variant
+    trace = request.state.trace
     try:
         found = collect_images(body, parts, engine.decider.options.image_limits)
     except ImageError as error:
@@ -163,14 +180,18 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
     if variant and adapter is None:  # unloaded in the meantime
         raise ClientError(404, "not_found_error", f"model {body['model']!r} is not served here")
     try:
+        encoding_started = time.time_ns()
         try:
             record, prepared = await run_in_threadpool(engine.encode, body, found.images)
         except BaseException:
             if adapter is not None:
                 engine.adapters.release(adapter)
             raise
+        if trace is not None:
+            trace.child("encode", encoding_started, images=len(found.images), tokens=record.num_tokens)
         # the engine releases the adapter from here on
-        ticket = engine.submit(body, record, prepared, adapter, request.state.request_id, confidence)
+        timeline = trace.timeline if trace is not None else None
+        ticket = engine.submit(body, record, prepared, adapter, request.state.request_id, confidence, timeline)
     except ImageError as error:
         return image_refusal(error, found)
     except RequestError as error:

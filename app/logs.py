@@ -1,6 +1,10 @@
 """The server's log: text or JSON lines (--log-format), and one line per decision request with its id,
 status, token counts and timings. Never a request body, a header or a key: nothing here reads them but
-X-Request-Id, which is echoed only when it is a plain token (else a new id replaces it)."""
+X-Request-Id, which is echoed only when it is a plain token (else a new id replaces it).
+
+In JSON, every line written while a decision request is handled (on the event loop or a worker thread it hands work
+to) carries its `request_id`, and its `trace_id` when traces are on; a line logged elsewhere about a request (the
+shadow's verdict, on the engine's thread) passes `extra={"request_id": ...}` itself."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import logging
 import re
 import sys
 import uuid
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import Request
@@ -21,6 +26,20 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:+=/-]{1,128}")
 
 decisions_log = logging.getLogger("clef_serve.requests")
+# The decision request being handled here (set by app.decisions.frame; asyncio tasks and run_in_threadpool carry it).
+current_request: ContextVar[tuple[str, str | None] | None] = ContextVar("clef_current_request", default=None)
+
+
+class RequestContext(logging.Filter):
+    """Stamps each record with the request being handled (request_id, trace_id) unless it names one itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        current = current_request.get()
+        if current is not None and getattr(record, "request_id", None) is None:
+            record.request_id, trace_id = current
+            if trace_id is not None:
+                record.trace_id = trace_id
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -33,6 +52,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        for name in ("request_id", "trace_id"):
+            if getattr(record, name, None) is not None:
+                line[name] = getattr(record, name)
         line.update(getattr(record, "fields", {}))
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
@@ -45,6 +67,7 @@ def configure_logging(level: str, log_format: str) -> None:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.addFilter(RequestContext())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

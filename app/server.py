@@ -22,12 +22,13 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import clef_cuda
 from app.auth import RequireKeyOnV1
 from app.context import ServerContext, ServerSettings
 from app.intake import ClientError
 from app.metrics import LifecycleMetrics, Metrics
 from app.responses import error_response
-from app.routes import adapters, probes, systemone, workers_ai
+from app.routes import adapters, probes, status_page, systemone, workers_ai
 from app.schemas import SystemOneRequest
 from clef_cuda.lifecycle import Lifecycle, LifecycleSettings
 from clef_cuda.serving.engine import Engine
@@ -58,6 +59,12 @@ def create_app(
         LifecycleMetrics(metrics),
     )
 
+    tracing = None
+    if settings.otlp_traces_endpoint:
+        from app.tracing import Tracing
+
+        tracing = Tracing(settings.otlp_traces_endpoint, "clef-serve", clef_cuda.__version__)
+
     async def lifespan(_app: FastAPI):
         if engine is not None:
             lifecycle.start(engine)
@@ -65,6 +72,8 @@ def create_app(
             threading.Thread(target=lifecycle.load, args=(load_engine,), name="clef-loader", daemon=True).start()
         yield
         await run_in_threadpool(lifecycle.shutdown, 60.0)
+        if tracing is not None:  # after the engine: a shadow span of the last records may still come
+            await run_in_threadpool(tracing.shutdown)
 
     app = FastAPI(title="clef-serve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     # Added first, so it sits inside CORS: a browser's preflight (no credentials by design) is answered.
@@ -78,7 +87,7 @@ def create_app(
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "Content-Encoding"],
         )
-    app.state.context = ServerContext(settings, lifecycle, metrics)
+    app.state.context = ServerContext(settings, lifecycle, metrics, tracing)
     app.state.lifecycle = lifecycle  # the CLI hands its rank_lost to the group before the load starts
     app.state.drain = lifecycle.drain  # SIGTERM (DrainingServer)
 
@@ -91,7 +100,7 @@ def create_app(
         kind = {404: "not_found_error", 405: "method_not_allowed"}.get(error.status_code, "invalid_request_error")
         return error_response(error.status_code, kind, str(error.detail), getattr(error, "headers", None))
 
-    for surface in (systemone, workers_ai, adapters, probes):
+    for surface in (systemone, workers_ai, adapters, probes, status_page):
         # The surface's routes on the app itself: FastAPI's include_router nests a router lazily, so app.routes (what
         # the key's middleware tests, the probes' manifests and the OpenAPI document walk) would not list them.
         app.router.routes.extend(surface.router.routes)

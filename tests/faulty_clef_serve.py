@@ -62,7 +62,7 @@ def _near_tolerance_when_armed():
         if os.path.exists(os.environ["CLEF_TEST_TP_FAULT_ARMED"]) and result.max_abs_error > 0:
             result.tolerance = result.max_abs_error / 2
         try:
-            judge(self, result)
+            return judge(self, result)
         finally:
             self.tolerance = saved
 

@@ -113,6 +113,17 @@ def test_the_embedded_model_ships_in_the_wheel(setup_module):
         assert any(fnmatch(name, pattern) for pattern in setup_module.PACKAGE_DATA["clef_cuda"]), name
 
 
+def test_the_status_pages_files_ship_in_the_wheel(setup_module):
+    """GET / and its assets are served from app/static/: package data, or an installed server's page is a 500."""
+    from fnmatch import fnmatch
+
+    from app.routes.status_page import ASSETS, STATIC
+
+    for name in ["status.html", *ASSETS]:
+        assert (STATIC / name).is_file(), name
+        assert any(fnmatch(f"static/{name}", pattern) for pattern in setup_module.PACKAGE_DATA["app"]), name
+
+
 def test_the_torch_floor_is_the_v100_images_torch(setup_module):
     """setup.py's torch floor is the Dockerfile's TORCH_VERSION, which scripts/torch_floor_check.sh
     (run by .ci/run) installs and tests the package under."""

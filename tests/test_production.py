@@ -5,6 +5,7 @@ OpenAPI spec, and the security rules."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import gzip
 import json
@@ -287,6 +288,16 @@ def test_keys_and_bodies_are_never_logged(log_format):
         assert wrong.status_code == 401
         broken = httpx.post(url + "/v1/systemone", content=b"{broken " + marker.encode(), timeout=60, headers=auth)
         assert broken.status_code == 422
+        # An image that is not one (its bytes carry the marker), a state over the token budget, a question of
+        # an unknown type: each refused, none of their content logged.
+        not_an_image = base64.b64encode(b"GIF89a" + marker.encode() * 4).decode()
+        for body, status in (
+            (OK | {"images": [not_an_image]}, 422),
+            (OK | {"state": f"{marker} " * 9000}, 413),
+            (OK | {"questions": {"q": {"type": f"kind-{marker}"}}}, 422),
+        ):
+            refused = httpx.post(url + "/v1/systemone", json=body, headers=auth | {"X-Request-Id": "req-bad"})
+            assert refused.status_code == status, refused.text
         # Every /v1 route needs the key; the model is described by name, never by where it lives.
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         models = httpx.get(url + "/v1/models", headers=auth, timeout=10)
@@ -303,7 +314,8 @@ def test_keys_and_bodies_are_never_logged(log_format):
         first = next(line for line in decisions if line["request_id"] == "req-1")
         assert first["status"] == 200 and first["input_tokens"] > 0 and first["cached_tokens"] == 0
         assert {"queue_ms", "prefill_ms", "total_ms", "seconds"} <= set(first)
-        assert sorted(line["status"] for line in decisions if line["request_id"] != "req-1")[-2:] == [401, 422]
+        assert sorted(line["status"] for line in decisions if line["request_id"] == "req-bad") == [413, 422, 422]
+        assert {401, 422} <= {line["status"] for line in decisions if line["request_id"] not in ("req-1", "req-bad")}
         assert any(line["logger"] == "uvicorn.error" for line in lines)  # uvicorn's own lines too
     else:
         assert "clef_serve.requests: decision request_id=req-1 status=200 seconds=" in logs

@@ -122,7 +122,7 @@ def judged(engine: Engine) -> list:
 
     def keep(result):
         results.append(result)
-        judge(result)
+        return judge(result)
 
     engine.shadow._judge = keep
     return results

@@ -24,6 +24,11 @@ def check_before_loading(args, parser, log) -> tuple[int | None, str]:
         import clef_cuda.kernels.ops  # noqa: F401  (applies CLEF_CPU_ISA: ValueError for a variant this CPU lacks)
 
         resolve_device(args.device)
+        if args.otlp_traces_endpoint:  # the URL and the optional packages, before the load
+            from app.tracing import check_available, traces_url
+
+            traces_url(args.otlp_traces_endpoint)
+            check_available()
         dtype_line = resolve_dtype(args)
         if args.weights is not None and not Path(args.weights).is_dir():
             raise ValueError(f"--w {args.weights}: not a directory (expected a Clef release)")

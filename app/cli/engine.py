@@ -190,4 +190,8 @@ def server_settings(args, description: str):
         autotune=args.autotune,
         autotune_cache=args.autotune_cache or None,
         kernel_trials=args.kernel_trials,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        status_page=args.status_page,
+        quantize=args.quantize,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

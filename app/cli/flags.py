@@ -151,6 +151,17 @@ def add_serving_flags(group) -> None:
     group.add_argument(
         "--log-format", choices=LOG_FORMATS, default="text", help="json: one object a line, decisions with timings"
     )
+    group.add_argument(
+        "--no-status-page",
+        dest="status_page",
+        action="store_false",
+        help="no status page at GET / (default: served; /status, /ready, /metrics stay)",
+    )
+    group.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="export traces to this OTLP/HTTP receiver (clef-cuda[otel]; default: off)",
+    )
 
 
 def add_memory_flags(group) -> None:

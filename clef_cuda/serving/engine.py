@@ -42,6 +42,7 @@ from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_r
 from clef_cuda.request.images import PreparedImage, request_images
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
 from clef_cuda.serving.plan import CachePlan, plan_cache, shadow_run_bytes, step_activation_bytes
+from clef_cuda.serving.timeline import Timeline
 from clef_cuda.verification.guarded_ops import KernelFault, as_kernel_fault
 from clef_cuda.verification.selfcheck import SelfCheckReport, run_selfcheck
 from clef_cuda.verification.shadow import SHADOW_FLOOR_CHUNK_TOKENS, ShadowConfig, ShadowSample, ShadowVerifier
@@ -105,6 +106,7 @@ class Ticket:
     confidence: str | None = None  # answers.CONFIDENCE_MODES, for this request (None: the engine's)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    timeline: Timeline | None = None  # what happens to it here, when: kept only when the caller asked (traces)
 
 
 @dataclass
@@ -273,11 +275,13 @@ class Engine:
         adapter: Adapter | None = None,
         request_id: str = "",
         confidence: str | None = None,
+        timeline: Timeline | None = None,
     ) -> Ticket:
         """Queue a record. `adapter`: a variant the caller acquired from self.adapters (the engine releases
         it when the request settles). Without a record, the request is encoded here and its `model` may
         name a variant. `request_id` is what the logs call it; `confidence` this request's confidence mode
-        (answers.CONFIDENCE_MODES; None: config.confidence)."""
+        (answers.CONFIDENCE_MODES; None: config.confidence); `timeline`, when given, records its queue wait,
+        images, prefill chunks, head and shadow re-decision (clef_cuda.serving.timeline)."""
         if record is None:
             if adapter is None and self.adapters is not None:
                 adapter = self.adapters.acquire(request.get("model"))
@@ -289,6 +293,8 @@ class Engine:
         if confidence is not None and confidence not in answers.CONFIDENCE_MODES:
             self._release(adapter)
             raise ValueError(f"confidence must be one of {answers.CONFIDENCE_MODES}, got {confidence!r}")
+        if timeline is not None:
+            timeline.submitted_ns = time.time_ns()  # its wait in the queue starts now
         ticket = Ticket(
             next(self._ids),
             concurrent.futures.Future(),
@@ -297,6 +303,7 @@ class Engine:
             adapter,
             request_id,
             confidence=confidence,
+            timeline=timeline,
         )
         with self._lock:
             refusal = None
@@ -648,6 +655,8 @@ class Engine:
             )
             self._running.append(seq)
             admitted.append(seq)
+            if ticket.timeline is not None:
+                ticket.timeline.add("queue", ticket.timeline.submitted_ns, cached_tokens=reused)
 
     def _attach_features(self, admitted: list[_Sequence]) -> None:
         """Tower outputs for the images whose tokens the admitted records will prefill: from the vision
@@ -667,8 +676,8 @@ class Engine:
                     needed[span.digest] = image
                 else:
                     features[span.digest] = rows
+        started, started_ns = time.perf_counter(), time.time_ns()
         if needed:
-            started = time.perf_counter()
             for digest, image in needed.items():
                 (rows,) = self.decider.image_features([image])
                 self.vision_cache.put(digest, rows)
@@ -677,6 +686,9 @@ class Engine:
         held = {digest: _on_host(rows) for digest, rows in features.items()}
         for seq in admitted:
             seq.features = [None if span.end <= seq.position else held[span.digest] for span in seq.record.media]
+            if seq.ticket.timeline is not None and seq.ticket.images:
+                tower = sum(span.digest in needed for span in seq.record.media)
+                seq.ticket.timeline.add("images", started_ns, images=len(seq.ticket.images), through_tower=tower)
 
     def _restore(self, entry: PrefixEntry, slot: int, inputs: HeadInputs, layout: RecordLayout, spans) -> None:
         self.decider.trunk.copy_slot(self.cache, slot, entry.snapshot_slot)
@@ -735,12 +747,18 @@ class Engine:
                     segments.append((offset, offset + size, adapter))
             offset += size
         batch = ChunkBatch.build(chunks, self.config.block_size, self.decider.device)
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         probe = self._probe(packed)
         hidden = self.decider.trunk.forward(batch, self.cache, AdapterBatch(segments) if segments else None, probe)
         self.steps += 1
+        if self.decider.device.type == "cuda" and any(seq.ticket.timeline is not None for seq, _ in packed):
+            torch.cuda.synchronize(self.decider.device)  # a traced step's end is its kernels', not their launch
         offset = 0
         for seq, size in packed:
+            if seq.ticket.timeline is not None:  # the step's time: the chunk ran with the others packed beside it
+                seq.ticket.timeline.add(
+                    "prefill", started_ns, tokens=size, position=seq.position, records=len(packed), step=self.steps
+                )
             if seq.fingerprint is not None:  # what the head reads of each row, for the shadow's head check
                 seq.fingerprint.record_output(seq.position, hidden[offset : offset + size], self.sketch, seq.head)
             seq.head.consume(seq.inputs, seq.layout, hidden[offset : offset + size])
@@ -788,9 +806,12 @@ class Engine:
         self._head_thread.submit(self._answer_into_future, seq)
 
     def _answer_into_future(self, seq: _Sequence) -> None:
+        timeline, started_ns = seq.ticket.timeline, time.time_ns()
         try:
             with torch.inference_mode():
                 body, probabilities = self._answer(seq)
+            if timeline is not None:
+                timeline.add("head", started_ns, questions=len(seq.record.questions))
         except Exception as error:  # a server fault: the request fails, the server goes on
             self._kernel_fault(error)
             log.exception("answering a record failed")
@@ -812,6 +833,7 @@ class Engine:
                 seq.head,
                 probabilities,
                 seq.fingerprint,
+                on_verdict=timeline.shadow if timeline is not None else None,
             )
         self.completed += 1
         self._settle(ticket, body)

@@ -44,6 +44,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,6 +281,9 @@ class ShadowSample:
     fingerprint: Fingerprint | None = None  # the served pass's layer sketches
     nbytes: int = 0  # the fingerprint's host memory (set when offered: SHADOW_QUEUE_BYTES)
     offered_at: float = field(default_factory=time.monotonic)
+    # Told the verdict ("match", "marginal", "mismatch"), when its run started and ended (time.time_ns) and the
+    # largest probability difference: the request's trace (clef_cuda.serving.timeline). None: nobody asked.
+    on_verdict: Callable[[str, int, int, float], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -394,6 +398,7 @@ class ShadowRun:
 
     def __init__(self, decider, sample: ShadowSample, lender=None) -> None:
         self.decider, self.sample, self.lender = decider, sample, lender
+        self.started_ns = time.time_ns()  # the run's start (its first chunk may wait for idle time)
         record = sample.record
         self.trunk = decider.trunk.with_ops(reference)
         if lender is not None:
@@ -710,7 +715,9 @@ class ShadowVerifier:
             result = run.result()
         finally:
             self.release(run.sample.adapter)
-        self._judge(result)
+        verdict = self._judge(result)
+        if run.sample.on_verdict is not None:
+            run.sample.on_verdict(verdict, run.started_ns, time.time_ns(), result.max_abs_error)
         self._last_finished = time.monotonic()
         self._floor_step_seconds = self._floor_shadow_seconds = 0.0
         return result
@@ -731,7 +738,9 @@ class ShadowVerifier:
         self.stats.floor_shadow_seconds += seconds
         self.stats.floor_chunks += 1
 
-    def _judge(self, result: ShadowResult) -> None:
+    def _judge(self, result: ShadowResult) -> str:
+        """Count the verdict on `result` ("match", "marginal" or "mismatch"), log it, and under enforce stop the
+        server's answers when its mismatches reach --shadow-max-mismatches; returns the verdict."""
         s = self.stats
         s.max_abs_error = max(s.max_abs_error, result.max_abs_error)
         s.errors = (s.errors + [result.max_abs_error])[-1000:]
@@ -755,7 +764,7 @@ class ShadowVerifier:
         if kind == "-":
             s.match += 1
             s.recent.append("match")
-            return
+            return "match"
         escalated = ""
         bad_input = result.first_bad_head_input
         if kind == "head" and bad_input is None and result.max_abs_error <= MARGINAL_FACTOR * self.tolerance:
@@ -773,9 +782,10 @@ class ShadowVerifier:
                 seen,
                 len(s.recent),
                 MARGINAL_LIMIT,
+                extra={"request_id": result.sample.request_id},
             )
             if seen < MARGINAL_LIMIT:
-                return
+                return "marginal"
             s.recent.clear()  # the pattern is counted once
             escalated = f", the {seen}th marginal difference in the last {MARGINAL_WINDOW} verdicts"
         else:
@@ -819,6 +829,7 @@ class ShadowVerifier:
             result.sample.record.num_tokens,
             result.side_by_side(),
             banner,
+            extra={"request_id": result.sample.request_id},
         )
         if self.config.mode == "enforce" and s.mismatch >= self.config.max_mismatches and self.failure is None:
             self.failure = (
@@ -829,3 +840,4 @@ class ShadowVerifier:
             log.error("%s; decisions are refused until an operator restarts the server", self.failure)
         elif self.config.mode == "warn":
             log.error("--shadow-mode warn: SERVING ANYWAY on kernels whose answers differed from the reference")
+        return "mismatch"
