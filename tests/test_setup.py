@@ -1,0 +1,135 @@
+"""The set-up picks the torch and toolkit for the card it finds (scripts/setup_plan.py), and `make serve` installs
+no test tooling (scripts/setup_env.sh serve). Tested without a GPU: the card and the toolkits are given through
+CLEF_SETUP_GPU and CLEF_SETUP_NVCC, and setup_env.sh runs with --dry-run (it prints what it would do)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA12, CUDA13 = "12.6=/usr/local/cuda-12.6", "13.0=/usr/local/cuda"
+
+
+def setup_plan(gpu: str, nvcc: str, mode: str = "serve") -> subprocess.CompletedProcess:
+    env = os.environ | {"CLEF_SETUP_GPU": gpu, "CLEF_SETUP_NVCC": nvcc}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "setup_plan.py"), "--mode", mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def assignments(result: subprocess.CompletedProcess) -> dict[str, str]:
+    assert result.returncode == 0, result.stderr
+    return dict(re.findall(r"^(\w+)='?([^'\n]*)'?$", result.stdout, re.M))
+
+
+@pytest.mark.parametrize(
+    ("gpu", "nvcc", "torch", "archs", "home"),
+    [
+        ("7.0 Tesla V100-SXM2-32GB", f"{CUDA13};{CUDA12}", "2.7.1", "7.0", "/usr/local/cuda-12.6"),
+        ("6.0 Tesla P100-PCIE-16GB", CUDA12, "2.7.1", "6.0", "/usr/local/cuda-12.6"),
+        ("7.5 Tesla T4", CUDA13, "2.14.1", "7.5", "/usr/local/cuda"),
+        ("7.5 Tesla T4", CUDA12, "2.7.1", "7.5", "/usr/local/cuda-12.6"),  # no CUDA 13 here: the older stack
+        ("9.0 NVIDIA H100 80GB HBM3", f"{CUDA12};{CUDA13}", "2.14.1", "9.0", "/usr/local/cuda"),
+        ("12.0 NVIDIA GeForce RTX 5090", CUDA13, "2.14.1", "12.0", "/usr/local/cuda"),
+        ("8.0 NVIDIA A100;8.6 NVIDIA A10", CUDA13, "2.14.1", "8.0;8.6", "/usr/local/cuda"),
+    ],
+)
+def test_each_card_gets_a_torch_with_its_kernels_and_a_toolkit_of_that_torchs_cuda(gpu, nvcc, torch, archs, home):
+    chosen = assignments(setup_plan(gpu, nvcc))
+    assert (chosen["TORCH_VERSION"], chosen["TORCH_CUDA_ARCH_LIST"], chosen["CUDA_HOME"]) == (torch, archs, home)
+    assert chosen["CLEF_CUDA_BUILD"] == "cuda" and chosen["TORCHVISION_VERSION"]
+
+
+def test_a_cpu_box_gets_todays_torch_and_no_forced_cuda_build():
+    chosen = assignments(setup_plan("none", "none"))
+    assert chosen["TORCH_VERSION"] == "2.14.1" and "CLEF_CUDA_BUILD" not in chosen and "CUDA_HOME" not in chosen
+
+
+@pytest.mark.parametrize(
+    ("gpu", "nvcc", "says"),
+    [
+        ("7.0 Tesla V100-SXM2-16GB", CUDA13, "needs a CUDA 12.x toolkit (for torch 2.7.1); found nvcc 13.0"),
+        ("6.1 Tesla P40", "none", "needs a CUDA 12.x toolkit (for torch 2.7.1); found no nvcc"),
+        ("10.0 NVIDIA B200", CUDA12, "needs a CUDA 13.x toolkit (for torch 2.14.1); found nvcc 12.6"),
+        ("7.0 Tesla V100;12.0 NVIDIA RTX 5090", f"{CUDA12};{CUDA13}", "no torch wheel covers these cards together"),
+    ],
+)
+def test_a_card_without_its_toolkit_stops_with_one_line_naming_it(gpu, nvcc, says):
+    result = setup_plan(gpu, nvcc)
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("clef-cuda set-up: ") and says in line, line
+    if "V100" in gpu and "RTX" not in gpu:
+        assert "docker build --build-arg TORCH_CUDA_ARCH_LIST=7.0" in line
+
+
+def dry_run(mode: str, tmp_path: Path, gpu: str, nvcc: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"CLEF_SETUP_GPU": gpu, "CLEF_SETUP_NVCC": nvcc, "VENV": str(tmp_path / "venv")}
+    env.pop("CUDA_HOME", None)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup_env.sh"), mode, "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+TEST_TOOLING = ("requirements-dev.txt", "clef-finetune", "fla-core", "nvidia-cuda-nvrtc", "apt-get")
+
+
+def test_make_serve_on_a_v100_installs_its_torch_and_builds_for_it_and_nothing_of_the_tests(tmp_path):
+    result = dry_run("serve", tmp_path, "7.0 Tesla V100-SXM2-32GB", CUDA12)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "torch==2.7.1" in out and "torchvision==0.22.1" in out and "-r requirements-serve.txt" in out
+    assert "TORCH_CUDA_ARCH_LIST=7.0" in out and "CLEF_CUDA_BUILD=cuda" in out and "pip install -q --no-build" in out
+    assert not [word for word in TEST_TOOLING if word in out], out
+    assert not (tmp_path / "venv").exists()  # a dry run changes nothing
+
+
+def test_make_serve_on_a_v100_without_cuda_12_stops_before_installing_anything(tmp_path):
+    result = dry_run("serve", tmp_path, "7.0 Tesla V100-SXM2-32GB", CUDA13)
+    assert result.returncode == 2 and "would run" not in result.stdout
+    assert "needs a CUDA 12.x toolkit" in result.stderr.strip().splitlines()[-1]
+
+
+def test_make_test_installs_the_test_tooling(tmp_path):
+    result = dry_run("test", tmp_path, "none", "none")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "-r requirements-dev.txt" in result.stdout and "clef-finetune==0.1.0" in result.stdout
+
+
+def pins(path: Path) -> dict[str, str]:
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name = re.split(r"[=<>\[ ]", line, maxsplit=1)[0].lower()
+            found[name] = line
+    return found
+
+
+def test_the_servers_pins_are_the_tests_and_cover_the_packages_dependencies():
+    serve, dev = pins(ROOT / "requirements-serve.txt"), pins(ROOT / "requirements-dev.txt")
+    assert {name: line for name, line in serve.items() if name in dev} == {
+        name: dev[name] for name in serve if name in dev
+    }
+    sys.path.insert(0, str(ROOT))
+    try:
+        import setup  # setup.py's DEPENDENCIES (importing it builds nothing: setup() runs under __main__)
+    finally:
+        sys.path.remove(str(ROOT))
+    dependencies = {re.split(r"[=<>\[ ]", d, maxsplit=1)[0].lower() for d in setup.DEPENDENCIES}
+    assert dependencies - {"torchvision"} <= set(serve), dependencies - set(serve)
