@@ -9,6 +9,7 @@ Prints a table last. Targets: throughput at concurrency 4 >= 1.5x concurrency 1;
 state answered >= 5x faster with the prefix cache than without.
 
     python benchmarks/server_load.py [--requests 64] [--release tiny|mid]
+    python benchmarks/server_load.py --load-only --json-logs --traces   # what JSON logs and traces cost under load
 """
 
 from __future__ import annotations
@@ -28,6 +29,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from random_requests import random_request  # noqa: E402
+
+SERVE_FLAGS: list[str] = []  # added to every clef-serve this run starts (--json-logs, --traces)
+
+
+class TraceSink:
+    """An OTLP/HTTP receiver that takes every export and answers 200 (--traces): the server pays for making and
+    sending its spans, not for a collector."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -55,6 +81,7 @@ def serve(path: Path, *flags: str):
             "8192",
             "--log-level",
             "warning",
+            *SERVE_FLAGS,
             *flags,
         ],
         stdout=subprocess.DEVNULL,
@@ -124,7 +151,14 @@ def main() -> int:
     )
     parser.add_argument("--budget", type=float, default=120.0, help="seconds per measurement at most")
     parser.add_argument("--markdown", help="append the table to this file")
+    parser.add_argument("--load-only", action="store_true", help="only the concurrency rows (no reference, no cache)")
+    parser.add_argument("--json-logs", action="store_true", help="the servers log JSON lines (--log-format json)")
+    parser.add_argument("--traces", action="store_true", help="the servers export traces to a local OTLP sink")
     args = parser.parse_args()
+    if args.json_logs:
+        SERVE_FLAGS.extend(["--log-format", "json"])
+    if args.traces:
+        SERVE_FLAGS.extend(["--otlp-traces-endpoint", TraceSink().url])
 
     import torch
     from releases import mid_release, reference_model, tiny_release
@@ -160,16 +194,18 @@ def main() -> int:
     rows = []
 
     # 1. Throughput and latency by concurrency.
-    jsm, model, processor = reference_model(path)
-    t0 = time.perf_counter()
-    done = 0
-    for r in requests:
-        if time.perf_counter() - t0 > args.budget:
-            break
-        jsm.systemone(model, processor, r)
-        done += 1
-    reference_rate = done / (time.perf_counter() - t0)
-    rows.append(["reference (sequential, in-process)", "1", f"{reference_rate:.1f}", "-", "-", "-"])
+    reference_rate = None
+    if not args.load_only:
+        jsm, model, processor = reference_model(path)
+        t0 = time.perf_counter()
+        done = 0
+        for r in requests:
+            if time.perf_counter() - t0 > args.budget:
+                break
+            jsm.systemone(model, processor, r)
+            done += 1
+        reference_rate = done / (time.perf_counter() - t0)
+        rows.append(["reference (sequential, in-process)", "1", f"{reference_rate:.1f}", "-", "-", "-"])
     rates = {}
     for concurrency in (1, 4, 16):
         with serve(path, "--max-num-seqs", "4") as url:
@@ -188,6 +224,7 @@ def main() -> int:
         print(f"  concurrency {concurrency}: {rates[concurrency]:.1f} decisions/s", flush=True)
 
     # 2. A shared ~2k-token state, a new question each time: prefix cache on vs off.
+    cache_latency = {}
     state = " ".join(f"line {i}: order {1000 + i} shipped late; refund requested" for i in range(40))
     while decider.encode({"model": "m", "state": state, "questions": {"q": {"type": "noul"}}}).state_tokens < 2000:
         state += " more context"
@@ -199,8 +236,7 @@ def main() -> int:
         }
         for i in range(max(8, args.requests // 4))
     ]
-    cache_latency = {}
-    for cached in (False, True):
+    for cached in () if args.load_only else (False, True):
         with serve(path, *([] if cached else ["--disable-prefix-cache"])) as url:
             asyncio.run(drive(url, shared[:1], 1, args.budget))  # the first sight of the state
             elapsed, latencies, errors = asyncio.run(drive(url, shared[1:], 1, args.budget))
@@ -217,19 +253,23 @@ def main() -> int:
         )
 
     header = ["workload", "concurrency", "decisions/s", "p50 ms", "p99 ms", "non-200"]
+    switches = (("--load-only", args.load_only), ("--json-logs", args.json_logs), ("--traces", args.traces))
+    command = " ".join(["python benchmarks/server_load.py", *(flag for flag, on in switches if on)])
     lines = [
         f"### {time.strftime('%Y-%m-%d')}, CPU {torch.get_num_threads()} threads, {args.release} release, "
-        "server load (python benchmarks/server_load.py)",
+        f"server load ({command})",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
     ] + ["| " + " | ".join(r) + " |" for r in rows]
-    lines += [
-        "",
-        f"Concurrency 4 vs 1: {rates[4] / rates[1]:.2f}x throughput (target >= 1.5x). Shared 2k-token state: "
-        f"{cache_latency[False] / cache_latency[True]:.1f}x faster with the prefix cache (target >= 5x). "
-        f"clef-serve at concurrency 4 vs the sequential reference: {rates[4] / reference_rate:.1f}x.",
-    ]
+    summary = f"Concurrency 4 vs 1: {rates[4] / rates[1]:.2f}x throughput (target >= 1.5x)."
+    if cache_latency:
+        summary += (
+            f" Shared 2k-token state: {cache_latency[False] / cache_latency[True]:.1f}x faster with the prefix cache "
+            f"(target >= 5x). clef-serve at concurrency 4 vs the sequential reference: "
+            f"{rates[4] / reference_rate:.1f}x."
+        )
+    lines += ["", summary]
     table = "\n".join(lines)
     if args.markdown:
         with open(args.markdown, "a") as f:
