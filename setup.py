@@ -40,6 +40,7 @@ DEPENDENCIES = [
     "torchvision",  # image decoding and resizing, bit-exact with the reference's processor
     "python-multipart",  # the SDK's image uploads (multipart/form-data)
     "rfc8785",  # canonical JSON of the state in the routing prefix key (X-Clef-Prefix-Key)
+    "av",  # videos: PyAV, FFmpeg in its wheel
 ]
 
 

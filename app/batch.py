@@ -67,7 +67,7 @@ RETRIES_ON_503 = 3
 RETRIED_WITH_RETRY_AFTER = frozenset({429, 529})
 # /ready's statuses under which the server will not answer again (until an operator restarts it).
 NEVER_ANSWERS = frozenset({"verification_failed", "selfcheck_failed", "failed"})
-# Rows read ahead are bounded in bytes too: a row may carry megabytes of images (the server takes 32 MiB).
+# Rows read ahead are bounded in bytes too: a row may carry megabytes of images (the server takes 48 MiB).
 READ_AHEAD_BYTES = 256 * 2**20
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 

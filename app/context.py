@@ -19,7 +19,7 @@ class ServerSettings:
     served_model_name: str = "clef-flash"
     aliases: tuple[str, ...] = ("jev-latest",)
     api_key: str | None = None
-    max_body_bytes: int = 32 * 2**20  # compressed or not, and again after decompression
+    max_body_bytes: int = 48 * 2**20  # compressed or not, and again after decompression: two 16 MiB videos in base64
     request_timeout: float = 600.0
     body_timeout: float = 30.0  # seconds to receive a whole request body (slow or stalled clients: 408)
     cors_origins: tuple[str, ...] = ()  # no CORS headers at all unless origins are configured

@@ -37,7 +37,7 @@ from app.schemas import SystemOneRequest, unsupported_question_errors
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
 from clef_cuda.parallel.tensor_parallel import StepFailedOnRank, TensorParallelLost
 from clef_cuda.request.images import ImageError
-from clef_cuda.request.media import RequestImages, collect_images
+from clef_cuda.request.media import RequestImages, collect_media
 from clef_cuda.request.routing import prefix_key
 from clef_cuda.runtime.cuda_errors import OUT_OF_MEMORY, TRANSIENT, classify, first_line
 from clef_cuda.serving.engine import EngineStoppedError, QueueFullError, RequestCancelledError
@@ -117,8 +117,9 @@ async def read_request(request: Request, context: ServerContext) -> tuple[Any, d
 
 
 def image_refusal(error: ImageError, found: RequestImages | None = None) -> Response:
-    """An image the request cannot use: a 413 over a byte or pixel limit, else a 422 located where the client put
-    it (`found`: the request's images, for an error about one of the combined list)."""
+    """An image or video the request cannot use (VideoError is an ImageError): a 413 over a byte, pixel or length
+    limit, else a 422 located where the client put it (`found`: the request's media, for an error about one of the
+    combined lists)."""
     if error.status == 413:
         raise ClientError(413, "request_too_large", str(error)) from error
     loc = found.loc_of(error.loc) if found is not None else ["body", *error.loc]
@@ -173,7 +174,8 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
     request.state.model, request.state.variant = body["model"], variant
     trace = request.state.trace
     try:
-        found = collect_images(body, parts, engine.decider.options.image_limits)
+        options = engine.decider.options
+        found = collect_media(body, parts, options.image_limits, options.video_limits)
     except ImageError as error:
         return image_refusal(error)
     adapter = engine.adapters.acquire(body["model"]) if variant else None
@@ -182,13 +184,15 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
     try:
         encoding_started = time.time_ns()
         try:
-            record, prepared = await run_in_threadpool(engine.encode, body, found.images)
+            record, prepared = await run_in_threadpool(engine.encode, body, found.images, found.videos)
         except BaseException:
             if adapter is not None:
                 engine.adapters.release(adapter)
             raise
         if trace is not None:
-            trace.child("encode", encoding_started, images=len(found.images), tokens=record.num_tokens)
+            trace.child(
+                "encode", encoding_started, images=len(found.images), videos=len(found.videos), tokens=record.num_tokens
+            )
         # the engine releases the adapter from here on
         timeline = trace.timeline if trace is not None else None
         ticket = engine.submit(body, record, prepared, adapter, request.state.request_id, confidence, timeline)

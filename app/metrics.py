@@ -114,6 +114,11 @@ class Metrics:
             "clef_vision_cache_hits", "Images whose tower output came from the cache", registry=r
         )
         self.vision_cache_misses = Counter("clef_vision_cache_misses", "Images that went through the tower", registry=r)
+        self.videos = Counter("clef_videos", "Videos decoded (each once a request)", registry=r)
+        self.video_seconds = Counter("clef_video_seconds", "Seconds of video decoded (the clips' lengths)", registry=r)
+        self.video_decode_seconds = Counter(
+            "clef_video_decode_seconds", "Time spent scanning, decoding and preprocessing videos", registry=r
+        )
 
     def _add_router_families(self, r: CollectorRegistry, vllm_aliases: bool) -> None:
         """The protocol metrics inference routers read, and (vllm_aliases) their copies under vLLM's names."""
@@ -295,6 +300,9 @@ class Metrics:
         self._advance(self.vision_seconds, engine.vision_seconds)
         self._advance(self.vision_cache_hits, engine.vision_cache.hits)
         self._advance(self.vision_cache_misses, engine.vision_cache.misses)
+        self._advance(self.videos, engine.videos)
+        self._advance(self.video_seconds, engine.video_seconds)
+        self._advance(self.video_decode_seconds, engine.video_decode_seconds)
         usage = engine.cache_usage()
         self.cache_usage.set(usage)
         config = {"block_size": str(engine.config.block_size), "num_gpu_blocks": str(engine.blocks.capacity)}

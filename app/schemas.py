@@ -64,12 +64,12 @@ class ImageObject(BaseModel):
     base64: str
 
 
-class ImageAsset(BaseModel):
-    """A TypeSafe asset: inline (data_base64) or, in a multipart body, the name of its part."""
+class MediaAsset(BaseModel):
+    """A TypeSafe asset, an image or a video: inline (data_base64) or, in a multipart body, the name of its part."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: Literal["image"]
+    type: Literal["image", "video"]
     format: str | None = None
     data_base64: str | None = None
     part: str | None = None
@@ -86,8 +86,9 @@ class SystemOneRequest(BaseModel):
     # Images (clef_cuda/request/media.py): data URLs, {content_type, base64} objects or plain base64 (Cloudflare,
     # ollama)...
     images: list[str | ImageObject] | None = None
-    # ... or TypeSafe assets, referenced by placeholders in the text. Videos are refused (a 422).
-    assets: dict[str, ImageAsset] | None = None
+    # ... or TypeSafe assets, referenced by placeholders in the text (images and videos alike).
+    assets: dict[str, MediaAsset] | None = None
+    # Videos (clef_cuda/request/videos.py): data URLs, {content_type, base64} objects or plain base64, MP4 or WebM.
     videos: list[Any] | None = None
 
 

@@ -29,8 +29,9 @@ from fastapi.responses import JSONResponse, Response
 
 ROUTE = "/client/v4/accounts/{account_id}/ai/run/{model_path:path}"
 MODEL_PREFIX = "@cf/cloudflare/"
-# What the hosted validator accepts at the top level; anything else is its 422/5012.
-HOSTED_FIELDS = frozenset({"model", "state", "questions", "images"})
+# What the hosted validator accepts at the top level (videos: as its clef-omni takes them); anything else is its
+# 422/5012. A video over a limit is 413/5021, any other bad video 422/5012, as images are.
+HOSTED_FIELDS = frozenset({"model", "state", "questions", "images", "videos"})
 
 NO_QUESTIONS_OR_TYPE = 5006  # 400
 NO_ROUTE = 7000  # 400

@@ -35,6 +35,15 @@ from clef_cuda.request.images import (
     load_processor_config,
     request_images,
 )
+from clef_cuda.request.videos import (
+    PreparedVideo,
+    VideoError,
+    VideoLimits,
+    VideoProcessorConfig,
+    load_video_processor_config,
+    load_videos,
+    request_videos,
+)
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -48,6 +57,7 @@ class DecisionOptions:
     client_special_tokens: str = "control"  # or "text": special tokens in client text are plain text
     image_limits: ImageLimits = ImageLimits()
     image_max_pixels: int | None = None  # a tighter resize budget than the release's processor (None: its own)
+    video_limits: VideoLimits = VideoLimits()
 
 
 def serving_dtype(device: torch.device, requested: torch.dtype | None = None) -> tuple[torch.dtype, str | None]:
@@ -101,6 +111,7 @@ class Decider:
         options: DecisionOptions = DecisionOptions(),
         vision: VisionTower | None = None,
         image_processor: ImageProcessorConfig | None = None,
+        video_processor: VideoProcessorConfig | None = None,
     ) -> None:
         if options.confidence not in answers.CONFIDENCE_MODES:
             raise ValueError(f"confidence must be one of {answers.CONFIDENCE_MODES}, got {options.confidence!r}")
@@ -116,6 +127,7 @@ class Decider:
         # (clef-tiny has neither) refuses images.
         self.vision = vision if image_processor is not None else None
         self.image_processor = image_processor.with_max_pixels(options.image_max_pixels) if image_processor else None
+        self.video_processor = video_processor if self.vision is not None else None  # videos need it too
 
     @classmethod
     def from_release(
@@ -185,7 +197,8 @@ class Decider:
         if shard is not None and has_vision and not shard.holds_tower:  # another rank holds it and runs it
             vision = tensor_parallel.vision_tower(trunk)
         processor = load_processor_config(path) if vision is not None else None
-        return cls(config, trunk, head, tokenizer, decision_options, vision, processor)
+        video_processor = load_video_processor_config(path) if vision is not None else None
+        return cls(config, trunk, head, tokenizer, decision_options, vision, processor, video_processor)
 
     @property
     def device(self) -> torch.device:
@@ -205,7 +218,18 @@ class Decider:
             raise ImageError("this model does not accept images (the release has no vision tower)")
         return load_images(blobs, self.image_processor, self.options.image_limits)
 
-    def encode(self, request: dict[str, Any], images: list[PreparedImage] = ()) -> EncodedRecord:
+    def prepare_videos(self, blobs: list[tuple[bytes, str | None]]) -> list[PreparedVideo]:
+        """A request's videos, (bytes, declared format) collected within the limits (request_videos, or the HTTP
+        forms) -> their frame groups, scanned, decoded and preprocessed as the release's video processor."""
+        if not blobs:
+            return []
+        if self.vision is None or self.video_processor is None:
+            raise VideoError("this model does not accept videos (the release has no vision tower or video processor)")
+        return load_videos(blobs, self.video_processor, self.options.video_limits)
+
+    def encode(
+        self, request: dict[str, Any], images: list[PreparedImage] = (), videos: list[PreparedVideo] = ()
+    ) -> EncodedRecord:
         validate_request(request)
         return encode_request(
             self.tokenizer,
@@ -214,6 +238,7 @@ class Decider:
             state_overflow=self.options.state_overflow,
             images=images,
             media_tokens=self.config.media_tokens,
+            videos=videos,
         )
 
     def image_features(self, images: list[PreparedImage]) -> list[torch.Tensor]:
@@ -256,10 +281,12 @@ class Decider:
 
     def decide(self, request: dict[str, Any]) -> dict[str, Any]:
         """A System One request body -> its response body (reference-exact; x_truncated_state_tokens is
-        added when the truncate policy cut the state). `images` as the reference takes them."""
+        added when the truncate policy cut the state). `images` and `videos` as the reference takes them."""
         images = self.prepare_images(request_images(request, self.options.image_limits))
-        record = self.encode(request, images)
-        per_question = self.probabilities(record, features=self.image_features(images))
+        videos = self.prepare_videos(request_videos(request, self.options.video_limits))
+        record = self.encode(request, images, videos)
+        media = images + [group for video in videos for group in video.groups]  # the record's spans, in order
+        per_question = self.probabilities(record, features=self.image_features(media))
         result = {
             q.question_id: answers.answer(
                 request["questions"][q.question_id], dict(zip(q.option_ids, p, strict=True)), self.options.confidence

@@ -98,6 +98,18 @@ else
       echo "WARNING: ${apt_missing[*]} not installed and cannot be installed here (no apt-get, or not root): $why will fail"
     fi
   fi
+  # The reference decodes videos with torchcodec only, which must stay out of this venv (it would change how the
+  # reference decodes images): the video oracle (tests/video_oracle.py) runs in a venv of its own holding torchcodec
+  # alone, this venv's packages reached through a .pth line, PyAV's FFmpeg beneath it (tests/video_oracle.py).
+  if ! .venv-video-oracle/bin/python -c "import importlib.util as u; assert u.find_spec('torchcodec')" 2>/dev/null; then
+    echo "== the video oracle's venv (.venv-video-oracle: torchcodec beside this venv's packages)"
+    run "$PYTHON" -m venv .venv-video-oracle
+    run .venv-video-oracle/bin/pip install -q --no-deps torchcodec==0.17.0
+    if [ "$DRY_RUN" = 0 ]; then
+      "$PY" -c "import site; print(site.getsitepackages()[0])" \
+        > "$(.venv-video-oracle/bin/python -c 'import site; print(site.getsitepackages()[0])')/clef-test-venv.pth"
+    fi
+  fi
 fi
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda  # the same build (and stamp) for make serve and make test on a machine

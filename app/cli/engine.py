@@ -59,6 +59,7 @@ def make_decider(args, on_lost=None):
 
     from clef_cuda import Decider
     from clef_cuda.request.images import ImageLimits
+    from clef_cuda.request.videos import VideoLimits
 
     device = resolve_device(args.device)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
@@ -76,6 +77,9 @@ def make_decider(args, on_lost=None):
         confidence=args.confidence,
         client_special_tokens=args.client_special_tokens,
         image_limits=ImageLimits(max_images=args.max_images),
+        video_limits=VideoLimits(
+            max_videos=args.max_videos, max_bytes=args.max_video_mib * 2**20, max_seconds=args.max_video_seconds
+        ),
         image_max_pixels=args.image_max_pixels,
         progress=args.log_format == "text",  # a progress bar is not a JSON line
         quantize=args.quantize,

@@ -52,6 +52,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -289,7 +296,7 @@ def add_clients_flags(group) -> None:
     )
     group.add_argument("--max-queue", type=_positive_int, default=256, metavar="N", help="waiting requests before 503")
     group.add_argument(
-        "--max-body-bytes", type=_positive_int, default=32 * 2**20, metavar="BYTES", help="request body limit (413)"
+        "--max-body-bytes", type=_positive_int, default=48 * 2**20, metavar="BYTES", help="request body limit (413)"
     )
     group.add_argument(
         "--request-timeout", type=float, default=600.0, metavar="SECONDS", help="before a request gives up (503)"
@@ -306,6 +313,15 @@ def add_clients_flags(group) -> None:
     )
     group.add_argument(
         "--max-images", type=_positive_int, default=4, metavar="N", help="images a request (4 MiB each, 8 MiB in all)"
+    )
+    group.add_argument(
+        "--max-videos", type=_positive_int, default=2, metavar="N", help="videos a request (MP4 or WebM)"
+    )
+    group.add_argument(
+        "--max-video-mib", type=_positive_int, default=16, metavar="MIB", help="bytes of one video, in MiB"
+    )
+    group.add_argument(
+        "--max-video-seconds", type=_positive_float, default=60.0, metavar="SECONDS", help="length of one video"
     )
     group.add_argument(
         "--image-max-pixels",

@@ -17,6 +17,7 @@ from clef_cuda.errors import ReleaseError, RequestError, RequestTooLongError
 if TYPE_CHECKING:
     from clef_cuda.model.config import MediaTokens
     from clef_cuda.request.images import PreparedImage
+    from clef_cuda.request.videos import PreparedVideo
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. Each answer must be exactly one of that "
@@ -293,12 +294,14 @@ class EncodedQuestion:
 
 @dataclass(frozen=True)
 class MediaSpan:
-    """One image's <|image_pad|> tokens in a record: where its feature rows go."""
+    """One image's <|image_pad|> tokens (or one group of a video's frames, its <|video_pad|> tokens) in a record:
+    where its feature rows go."""
 
     start: int  # index of its first <|image_pad|> token
     length: int  # tokens = feature rows
     merged_grid: tuple[int, int]  # (rows, columns) of merged patch blocks, raster order
     digest: bytes  # content digest (decoded pixels + preprocessing): what the caches key on
+    video: bool = False  # a video's group of frames (<|video_pad|> tokens), not an image
 
     @property
     def end(self) -> int:
@@ -370,6 +373,7 @@ def encode_request(
     state_overflow: str = "reject",
     images: Sequence[PreparedImage] = (),
     media_tokens: MediaTokens | None = None,
+    videos: Sequence[PreparedVideo] = (),
 ) -> EncodedRecord:
     """Encode a validated request. Over max_length: RequestTooLongError with the counts ("reject", the
     default), or the reference's behaviour ("truncate": keep the head of the state, cut its tail).
@@ -380,7 +384,9 @@ def encode_request(
     x_truncated_state_tokens is then a lower bound, flagged by dropped_state_tokens_exact).
 
     `images` (prepared, in request order) go right after the template's prefix, as the reference places
-    them: <|vision_start|> <|image_pad|> x tokens <|vision_end|> per image, then one newline; their tokens
+    them: <|vision_start|> <|image_pad|> x tokens <|vision_end|> per image; then `videos`, each as the reference's
+    processor writes one: <|vision_start|>, then per group of frames its time as text ("<1.6 seconds>") and
+    <|vision_start|> <|video_pad|> x tokens <|vision_end|>, then <|vision_end|>; then one newline. Their tokens
     count toward the budget (`media_tokens`: the release's ids for them)."""
     if state_overflow not in STATE_OVERFLOW_POLICIES:
         raise ValueError(f"state_overflow must be one of {STATE_OVERFLOW_POLICIES}, got {state_overflow!r}")
@@ -405,14 +411,22 @@ def encode_request(
         layout.append((str(question_id), question["type"], len(options), options))
     prefix, suffix = tokenizer.encode(PREFIX), tokenizer.encode(SUFFIX)  # the template: control tokens
     media: list[MediaSpan] = []
-    if images:
+    if images or videos:
         if media_tokens is None:
-            raise ValueError("images need the release's media token ids")
+            raise ValueError("images and videos need the release's media token ids")
         block: list[int] = []
         for image in images:
             block.append(media_tokens.vision_start)
             media.append(MediaSpan(len(prefix) + len(block), image.num_tokens, image.merged_grid, image.digest))
             block += [media_tokens.image] * image.num_tokens + [media_tokens.vision_end]
+        for video in videos:
+            block.append(media_tokens.vision_start)
+            for group, seconds in zip(video.groups, video.timestamps, strict=True):
+                block += tokenizer.encode(f"<{seconds:.1f} seconds>") + [media_tokens.vision_start]
+                span = MediaSpan(len(prefix) + len(block), group.num_tokens, group.merged_grid, group.digest, True)
+                media.append(span)
+                block += [media_tokens.video] * group.num_tokens + [media_tokens.vision_end]
+            block.append(media_tokens.vision_end)
         block += tokenizer.encode("\n")
         media_count = len(block)
         prefix = prefix + block
@@ -437,7 +451,7 @@ def encode_request(
             fixed_bound + tokenizer.min_tokens(state_text), tokenizer.min_tokens(state_text), fixed_bound, True
         )
     ids = tokenizer.encode_many(segments)
-    if images:
+    if images or videos:
         _refuse_literal_media_tokens(ids, media_tokens)
 
     schema: list[int] = list(ids[0])
@@ -471,7 +485,7 @@ def encode_request(
         if budget < 0:
             raise too_long(fixed + tokenizer.min_tokens(state_text), tokenizer.min_tokens(state_text), fixed, True)
         state, complete = tokenizer.encode_bounded(state_text, budget + max_length)
-    if images:
+    if images or videos:
         _refuse_literal_media_tokens([state], media_tokens, ("state",))
     kept = state[:budget]
     offset = len(prefix) + len(kept)

@@ -138,9 +138,7 @@ def base64_size(encoded: str) -> int:
 def request_images(request: dict[str, Any], limits: ImageLimits) -> list[bytes]:
     """The bytes of a request's `images` (the reference's field; Cloudflare and ollama forms), within the limits:
     what the in-process Decider and clef-serve batch take (the HTTP server's forms: clef_cuda.request.media).
-    ImageError for a bad entry or any `videos`, naming it."""
-    if request.get("videos"):
-        raise ImageError("video inputs are not supported", loc=("videos",))
+    ImageError for a bad entry, naming it (a request's `videos`: clef_cuda.request.videos.request_videos)."""
     entries = request.get("images") or []
     if not isinstance(entries, list):
         raise ImageError("images must be an array", loc=("images",))

@@ -40,6 +40,7 @@ from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.request import answers
 from clef_cuda.request.encoding import EncodedRecord, encode_request, validate_request
 from clef_cuda.request.images import PreparedImage, request_images
+from clef_cuda.request.videos import request_videos
 from clef_cuda.serving.cache import BlockPool, FreeList, PrefixCache, PrefixEntry, VisionCache
 from clef_cuda.serving.plan import CachePlan, plan_cache, shadow_run_bytes, step_activation_bytes
 from clef_cuda.serving.timeline import Timeline
@@ -229,6 +230,11 @@ class Engine:
         self.images = 0  # images of admitted records
         self.image_tokens = 0
         self.vision_seconds = 0.0  # time in the vision tower
+        # Videos as they are decoded (by the callers' threads, in encode): clips, their seconds, the decoding time.
+        self.videos = 0
+        self.video_seconds = 0.0
+        self.video_decode_seconds = 0.0
+        self._video_lock = threading.Lock()
         # Verification while serving: shadow runs of answered records, and the self-check on a timer.
         self.shadow = ShadowVerifier(config.shadow, decider.trunk.dtype, self._release, decider.config.trunk.num_layers)
         self.shadow.lender = self
@@ -243,11 +249,21 @@ class Engine:
         self.on_kernel_fault: Callable[[KernelFault], None] | None = None
 
     # ---- submission (any thread) ------------------------------------------------------------------
-    def encode(self, request: dict[str, Any], images: list[bytes] = ()) -> tuple[EncodedRecord, list[PreparedImage]]:
-        """Validate, prepare the images (decode, preprocess: on the caller's thread, not the scheduler's) and
-        encode: RequestError / ImageError / RequestTooLongError; also checks the record can ever fit."""
+    def encode(
+        self, request: dict[str, Any], images: list[bytes] = (), videos: list[tuple[bytes, str | None]] = ()
+    ) -> tuple[EncodedRecord, list[PreparedImage]]:
+        """Validate, prepare the images and videos (decode, preprocess: on the caller's thread, not the scheduler's)
+        and encode: RequestError / ImageError / VideoError / RequestTooLongError; also checks the record can ever
+        fit. Returns the record and the tower's inputs of its media spans, in order: the images, then each video's
+        frame groups."""
         validate_request(request)
         prepared = self.decider.prepare_images(list(images))
+        clips = self.decider.prepare_videos(list(videos))
+        if clips:
+            with self._video_lock:
+                self.videos += len(clips)
+                self.video_seconds += sum(clip.seconds for clip in clips)
+                self.video_decode_seconds += sum(clip.decode_seconds for clip in clips)
         record = encode_request(
             self.decider.tokenizer,
             request,
@@ -255,7 +271,9 @@ class Engine:
             self.config.state_overflow,
             images=prepared,
             media_tokens=self.decider.config.media_tokens,
+            videos=clips,
         )
+        prepared = prepared + [group for clip in clips for group in clip.groups]
         needed = -(-record.num_tokens // self.config.block_size)
         if needed > self.plan.num_blocks:
             raise RequestTooLongError(
@@ -286,7 +304,12 @@ class Engine:
             if adapter is None and self.adapters is not None:
                 adapter = self.adapters.acquire(request.get("model"))
             try:
-                record, images = self.encode(request, request_images(request, self.decider.options.image_limits))
+                options = self.decider.options
+                record, images = self.encode(
+                    request,
+                    request_images(request, options.image_limits),
+                    request_videos(request, options.video_limits),
+                )
             except BaseException:
                 self._release(adapter)
                 raise
@@ -666,8 +689,8 @@ class Engine:
         features: dict[bytes, torch.Tensor] = {}
         needed: dict[bytes, PreparedImage] = {}
         for seq in admitted:
-            self.images += len(seq.ticket.images)
-            self.image_tokens += sum(span.length for span in seq.record.media)
+            self.images += sum(not span.video for span in seq.record.media)
+            self.image_tokens += sum(span.length for span in seq.record.media if not span.video)
             for span, image in zip(seq.record.media, seq.ticket.images, strict=True):
                 if span.end <= seq.position or span.digest in features or span.digest in needed:
                     continue  # restored from the prefix cache, or already found

@@ -39,6 +39,7 @@ from clef_cuda.model.trunk_cache import TrunkCache
 from clef_cuda.model.vision import ROW_CHUNK as VISION_ROW_CHUNK
 from clef_cuda.model.weights import release_headers
 from clef_cuda.request.images import load_processor_config
+from clef_cuda.request.videos import load_video_processor_config
 
 GiB = 2**30
 MiB = 2**20
@@ -382,6 +383,9 @@ def plan_serving(
         processor = load_processor_config(release)
         max_pixels = image_max_pixels or (processor.max_pixels if processor is not None else 16 * 2**20)
         patches = max_pixels // config.vision.patch_size**2
+        video = load_video_processor_config(release)
+        if video is not None:  # the tower runs a video a group of frames at a time: at most this many patches
+            patches = max(patches, video.max_pixels // (video.temporal_patch_size * video.patch_size**2))
         vision_step = vision_peak_bytes(config.vision, dtype, patches)
     features = image_feature_bytes(config.trunk, dtype, tokens) if release_vision and rank == 0 else 0
     activations = max(trunk_step, vision_step) + features
