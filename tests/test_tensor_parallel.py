@@ -186,7 +186,9 @@ def test_images_and_vocabulary_rows_split_over_the_ranks_answer_as_one_device(mo
     the features back in host memory), each rank's share of the vocabulary rows (as many as level the ranks'
     weights beside the head and the tower; in host memory too), image features in place of their tokens on rank
     0 and zeros on the other (its rows of <|image_pad|> included), the head's option rows summed over the
-    ranks."""
+    ranks. A video's frame groups go the images' way (the first request carries one)."""
+    import clips
+    import video_oracle
     from images import data_url, png
 
     seen = capture_answers(monkeypatch)
@@ -196,13 +198,14 @@ def test_images_and_vocabulary_rows_split_over_the_ranks_answer_as_one_device(mo
         request = random_request(rng, null_score_levels=False, state_words=(5, 60))
         request["images"] = [data_url(png(64 + 32 * seed, 48, seed)) for _ in range(seed % 2 + 1)]
         requests.append(request)
+    requests[0]["videos"] = [video_oracle.data_url(clips.clip("h264", 96, 64, 20, 10, seed=7))]
     release = clef_ratio_release()
     _, p_one = one_device_answers(release, requests, seen)
     _, p_two, engine = serve(release, 2, requests, seen, vocab_tables=vocab_tables)
     embed = engine.decider.trunk.embed
     assert isinstance(embed, VocabShard)
     assert isinstance(engine.decider.vision, RemoteVisionTower) and engine.weight_bytes["vision"] == 0
-    assert engine.images == 4 and engine.vision_seconds > 0
+    assert engine.images == 4 and engine.videos == 1 and engine.vision_seconds > 0
     assert worst_difference(p_one, p_two) <= TP_BOUND
 
 

@@ -59,7 +59,7 @@ class VideoLimits:
     each); the rest bound the work a file can ask for whatever its header claims."""
 
     max_videos: int = 2  # --max-videos
-    max_bytes: int = 16 * 2**20  # each, decoded from base64 (--max-video-bytes)
+    max_bytes: int = 16 * 2**20  # each, decoded from base64 (--max-video-mib)
     max_seconds: float = 60.0  # each, from the scan (--max-video-seconds)
     max_frame_pixels: int = 3840 * 2160  # one frame, from the header
     max_side: int = 8192
@@ -76,7 +76,7 @@ class VideoLimits:
         if size > self.max_bytes:
             raise VideoError(
                 f"the video is {size / 2**20:.1f} MiB: at most {self.max_bytes / 2**20:g} MiB per video "
-                "(--max-video-bytes)",
+                "(--max-video-mib)",
                 status=413,
             )
 

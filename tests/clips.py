@@ -1,0 +1,97 @@
+"""Video clips for the tests, encoded in memory with PyAV (FFmpeg in its wheel): any codec the server takes, odd sizes,
+a display rotation, a variable frame rate, and hostile files made from them (tests/test_videos.py)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from fractions import Fraction
+
+import numpy as np
+
+ENCODERS = {"h264": "libx264", "hevc": "libx265", "vp8": "libvpx", "vp9": "libvpx-vp9", "av1": "libsvtav1"}
+CODECS_IN_ORDER = tuple(ENCODERS)
+CONTAINER = {"h264": "mp4", "hevc": "mp4", "vp8": "webm", "vp9": "webm", "av1": "webm"}
+
+
+def frames(count: int, width: int, height: int, seed: int = 0, flat: bool = False) -> Iterator[np.ndarray]:
+    """Moving gradients and noise: every frame different, rows and columns distinguishable (a wrong rotation, flip or
+    frame shows); `flat`: one grey frame, repeated."""
+    if flat:
+        grey = np.full((height, width, 3), 128, np.uint8)
+        yield from (grey for _ in range(count))
+        return
+    rng = np.random.default_rng(seed)
+    xs, ys = np.arange(width)[None, :], np.arange(height)[:, None]
+    for i in range(count):
+        image = np.empty((height, width, 3), np.uint8)
+        image[..., 0] = (xs * 255 // max(width - 1, 1) + 7 * i) % 256
+        image[..., 1] = (ys * 255 // max(height - 1, 1) + 3 * i) % 256
+        image[..., 2] = rng.integers(40, 216, (height, width), dtype=np.uint8)
+        yield image
+
+
+def clip(
+    codec: str = "h264",
+    width: int = 96,
+    height: int = 64,
+    count: int = 30,
+    fps: int = 25,
+    seed: int = 0,
+    times: list[float] | None = None,
+    rotation: int | None = None,
+    container: str | None = None,
+    flat: bool = False,
+) -> bytes:
+    """An encoded clip of `count` frames: constant `fps`, or each frame at `times` (seconds: a variable frame rate),
+    optionally with a display rotation (degrees) in its container. `flat`: one grey frame repeated (a huge frame size
+    or frame count in a few kilobytes)."""
+    buffer = io.BytesIO()
+    fmt = container or CONTAINER[codec]
+    out = av_open(buffer, fmt)
+    stream = out.add_stream(ENCODERS[codec], rate=fps)
+    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+    if codec in ("h264", "hevc"):
+        stream.options = {"preset": "ultrafast"} | ({"x265-params": "log-level=none"} if codec == "hevc" else {})
+    if times is not None:
+        stream.codec_context.time_base = Fraction(1, 1000)
+    if rotation is not None:
+        stream.set_display_rotation(rotation)
+    import av
+
+    for i, image in enumerate(frames(count, width, height, seed, flat)):
+        frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+        if times is not None:
+            frame.pts, frame.time_base = round(times[i] * 1000), Fraction(1, 1000)
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    return buffer.getvalue()
+
+
+def av_open(buffer: io.BytesIO, fmt: str):
+    import av
+
+    return av.open(buffer, "w", format=fmt)
+
+
+def audio_only(seconds: float = 1.0) -> bytes:
+    """An MP4 holding an AAC track and nothing else."""
+    import av
+
+    buffer = io.BytesIO()
+    out = av.open(buffer, "w", format="mp4")
+    stream = out.add_stream("aac", rate=16000)
+    samples = int(16000 * seconds)
+    tone = (np.sin(np.arange(samples) / 8.0) * 3000).astype(np.int16)[None, :]
+    for start in range(0, samples, 1024):
+        frame = av.AudioFrame.from_ndarray(tone[:, start : start + 1024], format="s16", layout="mono")
+        frame.sample_rate = 16000
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    return buffer.getvalue()

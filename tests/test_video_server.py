@@ -1,0 +1,324 @@
+"""Videos over HTTP: every wire form (a data URL, a {content_type, base64} object, plain base64, an asset with a
+placeholder, a multipart upload) answers as the reference does for the same clip; the Workers AI route, batch files,
+metrics, the prefix and vision caches and the shadow's verification take video records; every hostile file is a
+4xx with the contract's body, and on a live server within 5 s and 512 MB, nothing decoded before the cheap limits
+pass, the server answering normally afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+import threading
+import time
+
+import clips
+import httpx
+import pytest
+import video_oracle
+from fastapi.testclient import TestClient
+from images import png
+from parity import assert_answers_match
+from prometheus_client.parser import text_string_to_metric_families
+from releases import tiny_release
+from test_vision_server import assert_422, multipart
+
+from app import batch
+from app.server import ServerSettings, create_app
+from clef_cuda import Decider
+from clef_cuda.request import videos
+from clef_cuda.request.videos import VideoError, VideoLimits
+from clef_cuda.serving.engine import Engine, EngineConfig
+from clef_cuda.verification.shadow import ShadowConfig
+
+QUESTIONS = {
+    "fell": {"type": "noul", "instructions": "Does someone fall in the clip?"},
+    "where": {"type": "choice", "criteria": {"aisle": "A shop aisle", "stairs": None, "yard": "Outdoors"}},
+}
+CLIP = clips.clip("h264", 96, 64, 30, 10, seed=3)
+OTHER = clips.clip("vp9", 80, 48, 24, 12, seed=4)
+
+
+def body(**extra) -> dict:
+    return {
+        "model": "clef-flash",
+        "state": "Camera 4, 14:02. Review the attached clip.",
+        "questions": QUESTIONS,
+    } | extra
+
+
+def b64(blob: bytes) -> str:
+    return base64.b64encode(blob).decode()
+
+
+@pytest.fixture(scope="module")
+def decider():
+    return Decider.from_release(tiny_release(), device="cpu", progress=False)
+
+
+def engine_of(decider, **config) -> Engine:
+    return Engine(decider, EngineConfig(**({"max_model_len": 4096, "kv_fraction": 0.02} | config)))
+
+
+@pytest.fixture(scope="module")
+def client(decider):
+    with TestClient(create_app(ServerSettings(), engine=engine_of(decider))) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The reference's answers to the requests these tests send, by name (one oracle run)."""
+    requests = {
+        "clip": body(videos=[CLIP]),
+        "clip placed": body(state={"note": "Camera 4", "clip": "[video 1]"}, videos=[CLIP]),
+        "clip and image": body(videos=[CLIP], images=[video_oracle_image()]),
+        "two clips": body(videos=[CLIP, OTHER]),
+    }
+    answers = video_oracle.run(tiny_release(), list(requests.values()), tmp_path_factory.mktemp("oracle"))
+    return dict(zip(requests, answers, strict=True))
+
+
+def video_oracle_image() -> str:
+    return "data:image/png;base64," + b64(png(120, 90, 5))
+
+
+def assert_as_the_reference(response, answer) -> None:
+    assert response.status_code == 200, response.text
+    assert "error" not in answer, answer
+    assert_answers_match(response.json()["answers"], answer["response"]["answers"], answer["unrounded"])
+    assert response.json()["usage"] == answer["response"]["usage"]
+
+
+# ---- the wire forms ---------------------------------------------------------------------------------
+def test_every_wire_form_answers_as_the_reference(client, reference):
+    forms = {
+        "data url": body(videos=[video_oracle.data_url(CLIP)]),
+        "upper-case data url": body(videos=[video_oracle.data_url(CLIP).replace("data:video/mp4", "DATA:video/MP4")]),
+        "object": body(videos=[{"content_type": "video/mp4", "base64": b64(CLIP)}]),
+        "plain base64": body(videos=[b64(CLIP)]),
+    }
+    answers = {}
+    for name, request in forms.items():
+        response = client.post("/v1/systemone", json=request)
+        assert_as_the_reference(response, reference["clip"])
+        answers[name] = response.json()["answers"]
+    assert len({json.dumps(a, sort_keys=True) for a in answers.values()}) == 1
+
+
+def test_an_asset_and_a_multipart_upload_are_placed_where_the_state_says(client, reference):
+    asset = {"type": "video", "format": "mp4", "data_base64": b64(CLIP)}
+    request = body(state={"note": "Camera 4", "clip": "cam-4"}, assets={"cam-4": asset})
+    assert_as_the_reference(client.post("/v1/systemone", json=request), reference["clip placed"])
+    uploaded = body(state={"note": "Camera 4", "clip": "cam-4"}, assets={"cam-4": {"type": "video", "part": "a0"}})
+    content, content_type = multipart(json.dumps(uploaded).encode(), {"a0": CLIP})
+    response = client.post("/v1/systemone", content=content, headers={"Content-Type": content_type})
+    assert_as_the_reference(response, reference["clip placed"])
+
+
+def test_a_video_beside_an_image_and_two_videos(client, reference):
+    with_image = body(videos=[video_oracle.data_url(CLIP)], images=[video_oracle_image()])
+    assert_as_the_reference(client.post("/v1/systemone", json=with_image), reference["clip and image"])
+    two = body(videos=[video_oracle.data_url(CLIP), video_oracle.data_url(OTHER)])
+    assert_as_the_reference(client.post("/v1/systemone", json=two), reference["two clips"])
+
+
+def test_the_workers_ai_route_takes_videos_and_gives_its_codes(client, reference):
+    route = "/client/v4/accounts/acct/ai/run/@cf/cloudflare/clef-flash"
+    hosted = {k: v for k, v in body(videos=[video_oracle.data_url(CLIP)]).items() if k != "model"}
+    response = client.post(route, json=hosted)
+    assert response.status_code == 200, response.text
+    result = response.json()["result"]
+    assert_answers_match(
+        {q: a for q, a in result["answers"].items() if a["type"] == "noul"},
+        {q: a for q, a in reference["clip"]["response"]["answers"].items() if a["type"] == "noul"},
+        reference["clip"]["unrounded"],
+    )
+    too_big = client.post(route, json=hosted | {"videos": [b64(CLIP + bytes(17 * 2**20))]})
+    assert too_big.status_code == 413 and too_big.json()["errors"][0]["code"] == 5021, too_big.text
+    bad = client.post(route, json=hosted | {"videos": [b64(clips.audio_only())]})
+    assert bad.status_code == 422 and bad.json()["errors"][0]["code"] == 5012, bad.text
+    assert "video stream" in bad.json()["errors"][0]["message"]
+
+
+def test_batch_rows_with_videos(decider, reference, tmp_path):
+    rows = [body(videos=[video_oracle.data_url(CLIP)]), body(videos=[b64(png(30, 30))])]
+    source, sink = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    app = create_app(ServerSettings(), engine=engine_of(decider))
+    summary = asyncio.run(batch.run(app, source, sink, 4, 16, progress=False))
+    out = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert (summary.ok, summary.refused) == (1, 1), out
+    answer = reference["clip"]
+    assert_answers_match(out[0]["response"]["body"]["answers"], answer["response"]["answers"], answer["unrounded"])
+    assert out[1]["response"]["status_code"] == 422 and "image sent as a video" in out[1]["error"]["message"]
+
+
+# ---- metrics, caches, the shadow ------------------------------------------------------------------------
+def metric(client, name: str) -> float:
+    text = client.get("/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_metrics_caches_and_the_shadow_cover_video_records(decider, monkeypatch):
+    """A repeated clip: its prefix restored past the clip (its tower not run again); the same clip under another
+    state: the vision cache's, group by group; every record checked by the shadow (rate 1) and matching."""
+    tower_calls = []
+    real = decider.image_features
+    monkeypatch.setattr(decider, "image_features", lambda groups: tower_calls.append(len(groups)) or real(groups))
+    engine = engine_of(decider, min_snapshot_tokens=32, shadow=ShadowConfig(rate=1.0))
+    state = " ".join(f"camera line {i}: aisle 4 quiet" for i in range(60))
+    with TestClient(create_app(ServerSettings(), engine=engine)) as c:
+        warm_calls = len(tower_calls)
+        first = c.post("/v1/systemone", json=body(state=state, videos=[b64(CLIP)])).json()
+        groups = len(decider.prepare_videos([(CLIP, None)])[0].groups)
+        assert sum(tower_calls[warm_calls:]) == groups
+        again = c.post("/v1/systemone", json=body(state=state, videos=[b64(CLIP)])).json()
+        assert again["x_cached_tokens"] > 0 and again["answers"] == first["answers"]
+        other = c.post("/v1/systemone", json=body(state="another camera", videos=[b64(CLIP)])).json()
+        assert other["x_cached_tokens"] == 0 and engine.vision_cache.hits >= groups
+        assert sum(tower_calls[warm_calls:]) == groups  # neither ran the tower again
+        assert metric(c, "clef_videos_total") == 3
+        assert metric(c, "clef_video_seconds_total") == pytest.approx(3 * 3.0, rel=1e-6)  # 30 frames at 10 fps
+        assert metric(c, "clef_video_decode_seconds_total") > 0
+        deadline = time.monotonic() + 120
+        while engine.shadow.stats.match < 4 and time.monotonic() < deadline:  # the warm-up's and the three
+            time.sleep(0.05)
+        stats = engine.shadow.stats
+        assert stats.match >= 4 and stats.mismatch == 0 and stats.marginal == 0, stats
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+def hostile_files() -> dict[str, tuple[object, int, list, str]]:
+    """name -> (the `videos` entry, status, loc prefix (422), words in the message)."""
+    truncated_webm = clips.clip("vp9", 96, 64, 60, 25)
+    corrupt = bytearray(CLIP)
+    rng = random.Random(1)
+    for i in range(len(corrupt) // 4, len(corrupt) * 3 // 4, 50):
+        corrupt[i] = rng.randrange(256)
+    return {
+        "a huge frame size": (b64(clips.clip("h264", 7680, 4320, 2, 1, flat=True)), 413, [], "megapixels"),
+        "a huge frame count in a tiny file": (
+            b64(clips.clip("h264", 16, 16, 15000, 250, flat=True)),
+            413,
+            [],
+            "frames",
+        ),
+        "a huge duration in a tiny file": (
+            b64(clips.clip("h264", 32, 32, 3, 10, times=[0.0, 0.1, 5000.0], flat=True)),
+            413,
+            [],
+            "5000.1 s long",
+        ),
+        "a corrupt stream": (b64(bytes(corrupt)), 422, ["body", "videos", 0], "corrupt"),
+        "a truncated webm": (b64(truncated_webm[: len(truncated_webm) * 6 // 10]), 422, ["body", "videos", 0], "trunc"),
+        "a truncated mp4": (b64(CLIP[: len(CLIP) // 2]), 422, ["body", "videos", 0], "could not be opened"),
+        "a container that lies about its codec": (
+            b64(CLIP.replace(b"avc1", b"hvc1")),
+            422,
+            ["body", "videos", 0],
+            "corrupt",
+        ),
+        "an audio-only file": (b64(clips.audio_only()), 422, ["body", "videos", 0], "no video stream"),
+        "a still image as a video": (b64(png(40, 30)), 422, ["body", "videos", 0], "image sent as a video"),
+        "a one-frame video": (b64(clips.clip("h264", 32, 32, 1, 10)), 422, ["body", "videos", 0], "at least 2"),
+        "webm declared, mp4 sent": (
+            "data:video/webm;base64," + b64(CLIP),
+            422,
+            ["body", "videos", 0],
+            "declared video/webm",
+        ),
+        "an image content type": (
+            {"content_type": "image/png", "base64": b64(CLIP)},
+            422,
+            ["body", "videos", 0],
+            "not video/mp4",
+        ),
+        "a url": ("https://example.com/clip.mp4", 422, ["body", "videos", 0], "never fetched"),
+        "a path": ("/etc/passwd", 422, ["body", "videos", 0], "never fetched"),
+        "not base64": ("@@@@", 422, ["body", "videos", 0], "base64"),
+        "random bytes": (b64(random.Random(2).randbytes(5000)), 422, ["body", "videos", 0], "not an MP4 or WebM"),
+        "17 MiB": (b64(CLIP + bytes(17 * 2**20)), 413, [], "16 MiB"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(hostile_files()))
+def test_each_hostile_file_is_a_4xx_naming_the_video(client, case):
+    entry, status, loc, words = hostile_files()[case]
+    response = client.post("/v1/systemone", json=body(videos=[entry]))
+    if status == 422:
+        assert_422(response, loc, words)
+    else:
+        assert response.status_code == 413, response.text
+        assert words in response.json()["detail"]["message"] and "video" in response.json()["detail"]["message"]
+
+
+def test_counts_and_the_models_without_a_tower(client):
+    assert_422(client.post("/v1/systemone", json=body(videos=[b64(CLIP)] * 3)), ["body", "videos"], "at most 2")
+    assert_422(client.post("/v1/systemone", json=body(videos="x")), ["body", "videos"], "")
+    from clef_cuda.model.default_model import default_release
+
+    text_only = Engine(Decider.from_release(default_release(), device="cpu", progress=False), EngineConfig())
+    with TestClient(create_app(ServerSettings(), engine=text_only)) as c:
+        response = c.post("/v1/systemone", json=body(videos=[b64(CLIP)]))
+        assert_422(response, ["body", "videos"], "does not accept videos")
+
+
+def test_limits_are_checked_before_decoding(monkeypatch):
+    """The count, the bytes, the header's size and duration and the scan's frame count all refuse before a frame is
+    decoded; the decoding budget (frames to decode x their pixels) too."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("decoded")
+
+    config = videos.load_video_processor_config(tiny_release())
+    monkeypatch.setattr(videos, "decode_video", never)
+    for name in ("a huge frame size", "a huge frame count in a tiny file", "a huge duration in a tiny file"):
+        entry = hostile_files()[name][0]
+        with pytest.raises(VideoError) as refused:
+            videos.load_videos([(base64.b64decode(entry), None)], config, VideoLimits())
+        assert refused.value.status == 413, name
+    monkeypatch.undo()
+    tight = VideoLimits(max_decoded_pixels=96 * 64 * 20)  # 20 frames of CLIP's 30
+    header = videos.scan_video(CLIP, tight)
+    with pytest.raises(VideoError, match="decoding budget") as refused:
+        videos.decode_video(CLIP, header, config, tight)
+    assert refused.value.status == 413
+
+
+def test_hostile_files_on_a_live_server_are_fast_small_and_harmless():
+    """clef-serve on a release with a tower: each hostile file a 4xx within 5 s, the server's resident memory never
+    more than 512 MB above its level before (sampled every 10 ms), and a real clip answered afterwards. A 4K clip
+    (inside the limits) is decoded frame by frame: answered, within the same memory."""
+    import psutil
+    from live import clef_serve_process
+
+    cases = hostile_files() | {
+        "a 4K clip, 40 frames": (b64(clips.clip("h264", 3840, 2160, 40, 8, flat=True)), 200, [], "")
+    }
+    with clef_serve_process("--w", str(tiny_release()), "--d", "cpu", "--kv-fraction", "0.05") as (url, process, _):
+        assert httpx.post(url + "/v1/systemone", json=body(videos=[b64(CLIP)]), timeout=60).status_code == 200
+        server = psutil.Process(process.pid)
+        for name, (entry, status, _, _) in cases.items():
+            baseline, peak, stop = server.memory_info().rss, [0], threading.Event()
+
+            def sample(peak=peak, stop=stop):
+                while not stop.is_set():
+                    peak[0] = max(peak[0], server.memory_info().rss)
+                    time.sleep(0.01)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            started = time.monotonic()
+            response = httpx.post(url + "/v1/systemone", json=body(videos=[entry]), timeout=60)
+            took = time.monotonic() - started
+            stop.set()
+            sampler.join()
+            growth = (max(peak[0], server.memory_info().rss) - baseline) / 2**20
+            print(f"{name}: {response.status_code} in {took:.2f} s, +{growth:.0f} MiB")
+            assert response.status_code == status, (name, response.text)
+            assert took < 5.0, (name, took)
+            assert growth < 512, (name, growth)
+        after = httpx.post(url + "/v1/systemone", json=body(videos=[b64(CLIP)]), timeout=60)
+        assert after.status_code == 200 and httpx.get(url + "/ready").status_code == 200
