@@ -42,12 +42,12 @@ def ffmpeg_library_path() -> str:
     links.mkdir(parents=True, exist_ok=True)
     for library in libs.glob("lib*.so.*"):
         match = re.fullmatch(r"(lib(?:av[a-z]+|sw[a-z]+))-[0-9a-f]+\.so\.(\d+)[.\d]*", library.name)
-        if match:
-            link = links / f"{match[1]}.so.{match[2]}"
-            try:
-                link.symlink_to(library)
-            except FileExistsError:  # made before (or by another test worker at the same moment)
-                pass
+        link = links / f"{match[1]}.so.{match[2]}" if match else None
+        if link is not None and link.resolve() != library:  # new, or left by another PyAV's build
+            temporary = links / f".{link.name}.{os.getpid()}"
+            temporary.unlink(missing_ok=True)
+            temporary.symlink_to(library)
+            os.replace(temporary, link)  # atomic: another test worker may be reading the folder
     return f"{links}:{libs}"
 
 

@@ -146,12 +146,17 @@ class VisionTower:
                 qkv[0, :, rows] = _rotate(q, cos[rows], sin[rows]).to(self.dtype).transpose(0, 1)
                 qkv[1, :, rows] = _rotate(k, cos[rows], sin[rows]).to(self.dtype).transpose(0, 1)
                 qkv[2, :, rows] = v.transpose(0, 1)
-            # The block's every q, k and v exist before any row's residual changes, so a chunk of one image's query
-            # rows finishes the block on its own (attention over the image's keys, projection, MLP): no
-            # attention output is ever held for the whole image.
-            for image, rows in _image_chunks(lengths):  # bidirectional within each image only
-                out = F.scaled_dot_product_attention(qkv[0:1, :, rows], qkv[1:2, :, image], qkv[2:3, :, image])
-                x[rows] += F.linear(out[0].transpose(0, 1).reshape(rows.stop - rows.start, -1), *block.proj).float()
+            # The block's every q, k and v exist before any row's residual changes, so a chunk of query rows
+            # finishes the block on its own (attention over each of its images' keys, then the projection and the
+            # MLP on the whole chunk: many small images, a video's frame pairs, share one matmul): no attention
+            # output is ever held for more than a chunk.
+            for rows in _chunks(n):
+                attended = torch.empty(rows.stop - rows.start, c.hidden_size, dtype=self.dtype, device=self.device)
+                for image, part in _pieces(lengths, rows):  # bidirectional within each image only
+                    out = F.scaled_dot_product_attention(qkv[0:1, :, part], qkv[1:2, :, image], qkv[2:3, :, image])
+                    at = slice(part.start - rows.start, part.stop - rows.start)
+                    attended[at] = out[0].transpose(0, 1).reshape(part.stop - part.start, -1)
+                x[rows] += F.linear(attended, *block.proj).float()
                 h = _layer_norm(x[rows], block.norm2).to(self.dtype)
                 x[rows] += F.linear(F.gelu(F.linear(h, *block.fc1), approximate="tanh"), *block.fc2).float()
         del qkv
@@ -173,13 +178,17 @@ def _chunks(n: int, multiple: int = 1) -> list[slice]:
     return [slice(start, min(start + step, n)) for start in range(0, n, step)]
 
 
-def _image_chunks(lengths: list[int]) -> list[tuple[slice, slice]]:
-    """(an image's rows, ROW_CHUNK of them) over packed images of `lengths` rows: a chunk never spans two images."""
+def _pieces(lengths: list[int], rows: slice) -> list[tuple[slice, slice]]:
+    """(an image's rows, the part of them inside `rows`) for each of the packed images of `lengths` rows that `rows`
+    reaches."""
     pieces, start = [], 0
     for length in lengths:
-        image = slice(start, start + length)
-        pieces += [(image, slice(start + rows.start, start + rows.stop)) for rows in _chunks(length)]
+        low, high = max(start, rows.start), min(start + length, rows.stop)
+        if low < high:
+            pieces.append((slice(start, start + length), slice(low, high)))
         start += length
+        if start >= rows.stop:
+            break
     return pieces
 
 
