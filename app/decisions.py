@@ -37,7 +37,7 @@ from app.schemas import SystemOneRequest, unsupported_question_errors
 from clef_cuda.errors import NumericalOverflowError, RequestError, RequestTooLongError
 from clef_cuda.parallel.tensor_parallel import StepFailedOnRank, TensorParallelLost
 from clef_cuda.request.images import ImageError
-from clef_cuda.request.media import RequestImages, collect_media
+from clef_cuda.request.media import RequestMedia, collect_media
 from clef_cuda.request.routing import prefix_key
 from clef_cuda.runtime.cuda_errors import OUT_OF_MEMORY, TRANSIENT, classify, first_line
 from clef_cuda.serving.engine import EngineStoppedError, QueueFullError, RequestCancelledError
@@ -116,7 +116,7 @@ async def read_request(request: Request, context: ServerContext) -> tuple[Any, d
     return body, parts
 
 
-def image_refusal(error: ImageError, found: RequestImages | None = None) -> Response:
+def image_refusal(error: ImageError, found: RequestMedia | None = None) -> Response:
     """An image or video the request cannot use (VideoError is an ImageError): a 413 over a byte, pixel or length
     limit, else a 422 located where the client put it (`found`: the request's media, for an error about one of the
     combined lists)."""

@@ -37,7 +37,9 @@ ASSET_FORMATS = {"image": ("png", "jpg", "jpeg", "webp"), "video": ("mp4", "webm
 
 
 @dataclass
-class RequestImages:
+class RequestMedia:
+    """A request's images and videos, as collected from its wire forms, each with its place in the body."""
+
     images: list[bytes] = field(default_factory=list)  # in the order the record places them
     sources: list[list] = field(default_factory=list)  # each image's place in the body (an error's loc)
     videos: list[tuple[bytes, str | None]] = field(default_factory=list)  # (bytes, declared format), in order
@@ -66,10 +68,10 @@ def collect_media(
     parts: dict[str, bytes] | None,
     limits: ImageLimits,
     video_limits: VideoLimits = VideoLimits(),
-) -> RequestImages:
+) -> RequestMedia:
     """The request's images and videos in record order; placeholders in `body` rewritten in place as [image N] and
     [video N]. `body` has passed the schema; `parts` are the multipart parts besides `request` (None: a JSON body)."""
-    found = RequestImages()
+    found = RequestMedia()
     entries, videos, assets = body.get("images"), body.get("videos"), body.get("assets")
     for name, value in (("images", entries), ("videos", videos)):
         if value is not None and not isinstance(value, list):
