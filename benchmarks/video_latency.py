@@ -15,11 +15,9 @@ import argparse
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -66,13 +64,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    from vision_latency import median_ms
+
+    return median_ms(fn, repeats) / 1e3
 
 
 def reference_times(release: Path, requests: list[dict], workdir: Path, repeats: int, threads: int) -> list[dict]:

@@ -59,10 +59,20 @@ def clip(
         stream.set_display_rotation(rotation)
     import av
 
-    for i, image in enumerate(frames(count, width, height, seed, flat)):
+    def timed(i: int, image: np.ndarray):
         frame = av.VideoFrame.from_ndarray(image, format="rgb24")
         if times is not None:
             frame.pts, frame.time_base = round(times[i] * 1000), Fraction(1, 1000)
+        return frame
+
+    return _encoded(
+        buffer, out, stream, (timed(i, image) for i, image in enumerate(frames(count, width, height, seed, flat)))
+    )
+
+
+def _encoded(buffer: io.BytesIO, out, stream, frames_in) -> bytes:
+    """Every frame encoded and muxed, the encoder flushed, the container closed: its bytes."""
+    for frame in frames_in:
         for packet in stream.encode(frame):
             out.mux(packet)
     for packet in stream.encode():
@@ -86,12 +96,10 @@ def audio_only(seconds: float = 1.0) -> bytes:
     stream = out.add_stream("aac", rate=16000)
     samples = int(16000 * seconds)
     tone = (np.sin(np.arange(samples) / 8.0) * 3000).astype(np.int16)[None, :]
-    for start in range(0, samples, 1024):
+
+    def chunk(start: int):
         frame = av.AudioFrame.from_ndarray(tone[:, start : start + 1024], format="s16", layout="mono")
         frame.sample_rate = 16000
-        for packet in stream.encode(frame):
-            out.mux(packet)
-    for packet in stream.encode():
-        out.mux(packet)
-    out.close()
-    return buffer.getvalue()
+        return frame
+
+    return _encoded(buffer, out, stream, (chunk(start) for start in range(0, samples, 1024)))

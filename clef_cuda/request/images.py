@@ -295,10 +295,11 @@ class ImageProcessorConfig:
 _RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's codes, as the config stores them
 
 
-def load_processor_config(model_dir: str | Path) -> ImageProcessorConfig | None:
-    """The release's image processor settings, or None when the release has no processor file."""
+def processor_section(model_dir: str | Path, key: str, alone: str) -> tuple[dict, str] | None:
+    """A processor's settings in a release, (the section, where it was for errors): processor_config.json[key], else
+    the file `alone` holding it by itself (older saves); None when neither has it."""
     model_dir = Path(model_dir)
-    for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+    for name, field in (("processor_config.json", key), (alone, None)):
         path = model_dir / name
         if not path.is_file():
             continue
@@ -306,14 +307,21 @@ def load_processor_config(model_dir: str | Path) -> ImageProcessorConfig | None:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ReleaseError(f"{path}: not readable JSON ({error})") from error
-        section = data.get(key) if key else data
-        if not isinstance(section, dict):
-            continue
-        return _processor_config(section, f"{path}{'[' + repr(key) + ']' if key else ''}")
+        section = data.get(field) if field else data
+        if isinstance(section, dict):
+            return section, f"{path}{'[' + repr(field) + ']' if field else ''}"
     return None
 
 
-def _processor_config(d: dict, where: str) -> ImageProcessorConfig:
+def load_processor_config(model_dir: str | Path) -> ImageProcessorConfig | None:
+    """The release's image processor settings, or None when the release has no processor file."""
+    found = processor_section(model_dir, "image_processor", "preprocessor_config.json")
+    if found is not None:
+        return processor_config(*found)
+    return None
+
+
+def processor_config(d: dict, where: str) -> ImageProcessorConfig:
     def number(name: str, default=None, kind=(int, float)):
         value = d.get(name, default)
         if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:

@@ -36,7 +36,14 @@ from typing import Any
 import torch
 
 from clef_cuda.errors import ReleaseError
-from clef_cuda.request.images import ImageError, PreparedImage, base64_size, strict_base64
+from clef_cuda.request.images import (
+    ImageError,
+    PreparedImage,
+    base64_size,
+    processor_config,
+    processor_section,
+    strict_base64,
+)
 
 Tensor = torch.Tensor
 FORMATS = ("mp4", "webm")
@@ -169,25 +176,12 @@ class VideoProcessorConfig:
 
 def load_video_processor_config(model_dir: str | Path) -> VideoProcessorConfig | None:
     """The release's video processor settings, or None when it has none (then videos are refused)."""
-    model_dir = Path(model_dir)
-    for name, key in (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None)):
-        path = model_dir / name
-        if not path.is_file():
-            continue
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ReleaseError(f"{path}: not readable JSON ({error})") from error
-        section = data.get(key) if key else data
-        if isinstance(section, dict):
-            return _video_config(section, f"{path}{'[' + repr(key) + ']' if key else ''}")
-    return None
+    found = processor_section(model_dir, "video_processor", "video_preprocessor_config.json")
+    return _video_config(*found) if found is not None else None
 
 
 def _video_config(d: dict, where: str) -> VideoProcessorConfig:
-    from clef_cuda.request.images import _processor_config
-
-    image_like = _processor_config(d, where)  # the settings images and videos share, checked alike
+    image_like = processor_config(d, where)  # the settings images and videos share, checked alike
 
     def positive(name: str, default, kind=(int, float)):
         value = d.get(name, default)
