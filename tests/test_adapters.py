@@ -17,7 +17,7 @@ from adapter_fixtures import checkpoint, merged
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from live import wait_until
-from parity import INT8_BOUNDS, PARITY_BOUND, assert_response_matches, reference_response
+from parity import INT8_BOUNDS, PARITY_BOUND, assert_answers_match, assert_response_matches, reference_response
 from prometheus_client.parser import text_string_to_metric_families
 from random_requests import random_request
 from releases import clef_ratio_release, reference_model, tiny_release
@@ -104,6 +104,21 @@ def test_unmerged_variants_match_clef_finetunes_fp32_merge(served, capture, vari
         body, ours = decide(served, request, variant, capture)
         assert body["usage"]["input_tokens"] > 1000 and body["model"] == variant
         assert worst(ours, reference_probabilities(merged(variant), request)) < PARITY_BOUND
+
+
+def test_a_variant_decides_a_video_as_its_merge(served, capture, tmp_path):
+    """A video record on an unmerged variant, against the reference (its video oracle) on clef-finetune's merge."""
+    import clips
+    import video_oracle
+
+    clip = clips.clip("h264", 96, 64, 30, 10, seed=9)
+    request = random_request(random.Random(40), state_words=(5, 30), null_score_levels=False)
+    (answer,) = video_oracle.run(merged("all"), [request | {"model": "clef-flash", "videos": [clip]}], tmp_path)
+    body, _ = decide(served, request | {"videos": [video_oracle.data_url(clip)]}, "all", capture)
+    assert body["model"] == "all" and body["usage"] == answer["response"]["usage"]
+    assert_answers_match(body["answers"], answer["response"]["answers"], answer["unrounded"])
+    base, _ = decide(served, request | {"videos": [video_oracle.data_url(clip)]}, "clef-flash", capture)
+    assert base["answers"] != body["answers"]  # the variant, not the base, answered
 
 
 def test_a_variant_of_a_clef_27b_ratio_base_matches_its_merge(capture):
