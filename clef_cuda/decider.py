@@ -241,6 +241,19 @@ class Decider:
             videos=videos,
         )
 
+    @property
+    def tower_patches(self) -> int:
+        """The most patches one input of the tower can have: the largest image the processor allows, or the frames
+        of a clip at the video processor's budget (what the memory plan sizes the tower's step for: smaller inputs
+        may share one call up to it)."""
+        patches = 0
+        if self.image_processor is not None:
+            patches = self.image_processor.max_pixels // self.image_processor.patch_size**2
+        if self.video_processor is not None:
+            video = self.video_processor
+            patches = max(patches, video.max_pixels // (video.temporal_patch_size * video.patch_size**2))
+        return patches
+
     def image_features(self, images: list[PreparedImage]) -> list[torch.Tensor]:
         """The tower's output rows per image (serving dtype; on the device, or in host memory when another
         tensor-parallel rank runs the tower)."""

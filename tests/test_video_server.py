@@ -323,3 +323,17 @@ def test_hostile_files_on_a_live_server_are_fast_small_and_harmless():
             assert growth < 512, (name, growth)
         after = httpx.post(url + "/v1/systemone", json=body(videos=[b64(CLIP)]), timeout=60)
         assert after.status_code == 200 and httpx.get(url + "/ready").status_code == 200
+
+
+def test_frame_pairs_share_tower_calls_within_the_plans_budget(decider):
+    """The engine sends a clip's pairs to the tower together, in runs no larger than the largest input the plan
+    sizes the tower's step for (the memory plan holds); an input larger than a run goes alone."""
+    from clef_cuda.serving.engine import _tower_batches
+
+    (video,) = decider.prepare_videos([(CLIP, None)])
+    pairs = [(group.digest, group) for group in video.groups]
+    size = pairs[0][1].grid[0] * pairs[0][1].grid[1]
+    assert decider.tower_patches >= len(pairs) * size
+    assert _tower_batches(pairs, decider.tower_patches) == [pairs]
+    assert [len(b) for b in _tower_batches(pairs, 2 * size)] == [2] * (len(pairs) // 2) + [1] * (len(pairs) % 2)
+    assert [len(b) for b in _tower_batches(pairs, size - 1)] == [1] * len(pairs)

@@ -701,10 +701,12 @@ class Engine:
                     features[span.digest] = rows
         started, started_ns = time.perf_counter(), time.time_ns()
         if needed:
-            for digest, image in needed.items():
-                (rows,) = self.decider.image_features([image])
-                self.vision_cache.put(digest, rows)
-                features[digest] = rows
+            # Small inputs (a clip's frame pairs, thumbnails) share a tower call, up to the patches of the largest
+            # input the plan sizes the tower's step for: one call, not one a pair, and no more memory.
+            for batch in _tower_batches(list(needed.items()), self.decider.tower_patches):
+                for (digest, _), rows in zip(batch, self.decider.image_features([i for _, i in batch]), strict=True):
+                    self.vision_cache.put(digest, rows)
+                    features[digest] = rows
             self.vision_seconds += time.perf_counter() - started
         held = {digest: _on_host(rows) for digest, rows in features.items()}
         for seq in admitted:
@@ -889,3 +891,17 @@ class Engine:
         }
         body.update(seq.record.truncation_fields())
         return body, probabilities
+
+
+def _tower_batches(images: list[tuple[bytes, PreparedImage]], patches: int) -> list[list[tuple[bytes, PreparedImage]]]:
+    """`images` in order, cut into runs of at most `patches` patches each (an input larger than that alone)."""
+    batches: list[list[tuple[bytes, PreparedImage]]] = []
+    total = 0
+    for item in images:
+        size = item[1].grid[0] * item[1].grid[1]
+        if not batches or total + size > patches:
+            batches.append([])
+            total = 0
+        batches[-1].append(item)
+        total += size
+    return batches
