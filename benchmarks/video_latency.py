@@ -139,6 +139,7 @@ def main() -> None:
         tokens = decider.encode(wire, [], [video]).num_tokens
         ours.append((name, len(clip), frames, len(groups), tokens, decode, tower, total))
     theirs = reference_times(release, requests, workdir, args.repeats, args.threads)
+    engine_rows = engine_tower_calls(decider, requests[0], args.repeats)
 
     print(f"\n{SECONDS} s h264 clips at {FPS} fps, {args.device}, {args.threads} threads, median of {args.repeats}")
     print(
@@ -153,6 +154,39 @@ def main() -> None:
             f"{total:.2f} | {frames / decode:.0f} | {ref['encode']:.2f} / {ref['tower']:.3f} / {ref['total']:.2f} "
             f"| {ref['total'] / total:.2f}x |"
         )
+    print(f"\nthe {next(iter(SIZES))} clip through Engine.decide (caches off): the tower's calls, interleaved twice")
+    print("| tower calls | decision (s) | tower a decision (s) |")
+    print("|---|---|---|")
+    for how, total, tower in engine_rows:
+        print(f"| {how} | {total:.3f} | {tower:.3f} |")
+
+
+def engine_tower_calls(decider, request: dict, repeats: int) -> list[tuple[str, float, float]]:
+    """The first clip through Engine.decide (the server's path; vision and prefix caches off), its frame pairs sent
+    to the tower one call a pair (as before 2026-12-06) and together (Decider.tower_patches): (how, decision s,
+    tower s a decision), interleaved twice."""
+    import base64
+
+    from clef_cuda import Decider
+    from clef_cuda.serving.engine import Engine, EngineConfig
+
+    wire = request | {"videos": ["data:video/mp4;base64," + base64.b64encode(request["videos"][0]).decode()]}
+    config = EngineConfig(max_model_len=8192, kv_fraction=0.05, vision_cache_bytes=0, prefix_cache=False)
+    engine = Engine(decider, config)
+    engine.start()
+    together = Decider.tower_patches
+    rows = []
+    try:
+        for _ in range(2):
+            for how, budget in (("one a pair", property(lambda self: 0)), ("together", together)):
+                Decider.tower_patches = budget
+                before = engine.vision_seconds
+                total = median_seconds(lambda: engine.decide(wire, timeout=600), repeats)
+                rows.append((how, total, (engine.vision_seconds - before) / (repeats + 1)))
+    finally:
+        Decider.tower_patches = together
+        engine.stop(10)
+    return rows
 
 
 if __name__ == "__main__":
