@@ -2,7 +2,8 @@
 (transformers' Qwen3VLVideoProcessor, its videos decoded by torchcodec in exact mode).
 
 Decoding is PyAV's (FFmpeg in its wheel, nothing else to install): its RGB frames are the ones torchcodec gives the
-reference, byte for byte, on every codec we take (tests/test_videos.py checks against torchcodec in a side venv).
+reference, byte for byte, on every codec we take, when both run on the same FFmpeg (tests/test_videos.py runs the
+reference in a side venv on PyAV's FFmpeg: FFmpeg versions themselves can disagree on a file's length).
 What the reference does, step by step, and where it lives here:
 1. scan: every packet of the best video stream, demuxed, not decoded (torchcodec's exact mode): the frame count, the
    first pts, the end (max pts + duration), so the average fps = frames / (end - begin) (scan_video);
@@ -11,14 +12,16 @@ What the reference does, step by step, and where it lives here:
 3. decode those frames (display order; the rotation the container declares applied), resize the clip to one size
    for all its frames (target_size: `size` bounds the pixels of every frame together), rescale and normalise,
    pad to an even count with the last frame, and cut into groups of 2 frames: each group is one "image" of the tower
-   (the tower attends within a group; tests/test_vision.py checks the tower's video path against transformers').
+   (the tower attends within a group; tests/test_videos.py checks the tower's video path against transformers').
 The release's processor does not cap pixels per frame (`cap_pixels_per_frame` unset: transformers' default, which
 it warns about); neither do we, so both spend the same tokens.
 
 Hostile files cost little and end in a 4xx: the container is told by its first bytes (MP4's ftyp box, WebM's EBML
 header) and opened as that format only, from memory (no path, no URL, no external reference); the header's size,
 codec and duration are checked before anything is decoded; the scan stops at the frame-count and duration limits;
-the decode is bounded by the frames it must run through times their pixels. Nothing here opens a file or a URL.
+the decode is bounded by the frames it must run through times their pixels, and only the sampled frames are
+converted and resized, one at a time; a file cut short is refused (frames missing from its index, or ending before
+its header's duration). Nothing here opens a file or a URL.
 """
 
 from __future__ import annotations
