@@ -337,3 +337,14 @@ def test_frame_pairs_share_tower_calls_within_the_plans_budget(decider):
     assert _tower_batches(pairs, decider.tower_patches) == [pairs]
     assert [len(b) for b in _tower_batches(pairs, 2 * size)] == [2] * (len(pairs) // 2) + [1] * (len(pairs) % 2)
     assert [len(b) for b in _tower_batches(pairs, size - 1)] == [1] * len(pairs)
+
+
+def test_an_error_pyav_raises_while_decoding_is_a_422_not_a_500(client, monkeypatch):
+    """PyAV raises ValueError (a pixel format it cannot convert) or OSError besides FFmpeg's own errors: each one met
+    while decoding is the client's file's fault, a 422 naming the video (here raised from inside the decode loop)."""
+
+    def unconvertible(*args, **kwargs):
+        raise ValueError("Conversion from 'gbrap14le' to 'rgb24' is not supported")
+
+    monkeypatch.setattr(videos, "target_size", unconvertible)
+    assert_422(client.post("/v1/systemone", json=body(videos=[b64(CLIP)])), ["body", "videos", 0], "corrupt")

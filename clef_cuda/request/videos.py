@@ -286,8 +286,16 @@ def _open(data: bytes, fmt: str):
         # Opened from memory as the sniffed format only: no probing, no other demuxer, no path or URL (external
         # references in MP4 are off by default: enable_drefs).
         return av.open(io.BytesIO(data), mode="r", format=_DEMUXER[fmt], options={"enable_drefs": "0"})
-    except (av.error.FFmpegError, ValueError, OSError) as error:
+    except _unreadable() as error:
         raise VideoError(f"the {fmt} file could not be opened ({_first_line(error)})") from error
+
+
+def _unreadable() -> tuple[type[BaseException], ...]:
+    """What PyAV raises for a file it cannot read (FFmpeg's errors; a ValueError for a pixel format it cannot
+    convert; an OSError from its I/O): a 422, never a 500. A function: av is imported only when videos come."""
+    import av
+
+    return (av.error.FFmpegError, ValueError, OSError)
 
 
 def _first_line(error: BaseException) -> str:
@@ -297,7 +305,6 @@ def _first_line(error: BaseException) -> str:
 def scan_video(data: bytes, limits: VideoLimits, declared: str | None = None) -> VideoHeader:
     """The container, stream and frame index, without decoding: every limit a header or a scan decides. A declared
     format (the data URL's or content_type's) must be what the bytes are."""
-    import av
 
     fmt = sniff(data)
     if declared is not None and declared != fmt:
@@ -348,7 +355,9 @@ def scan_video(data: bytes, limits: VideoLimits, declared: str | None = None) ->
                     raise VideoError(f"the video has over {limits.max_frames} frames", status=413)
                 if float(end - begin) * time_base > limits.max_seconds:
                     raise VideoError(_too_long(float((end - begin) * time_base), limits), status=413)
-        except av.error.FFmpegError as error:
+        except VideoError:
+            raise
+        except _unreadable() as error:
             raise VideoError(f"the {fmt} file is corrupt or truncated ({_first_line(error)})") from error
     if len(pts) < 2:
         raise VideoError(f"a video of {len(pts)} frame(s): at least 2 are needed (a still image goes in `images`)")
@@ -391,7 +400,6 @@ _ROTATIONS = {0: 0, 90: 1, 180: 2, 270: 3, -90: 3, -180: 2, -270: 1}  # degrees 
 
 def decode_video(data: bytes, header: VideoHeader, config: VideoProcessorConfig, limits: VideoLimits) -> PreparedVideo:
     """The sampled frames decoded, resized, normalised and grouped, as the reference processes the same file."""
-    import av
     import numpy as np
     from torchvision.transforms.v2 import InterpolationMode
     from torchvision.transforms.v2 import functional as tvF
@@ -440,7 +448,9 @@ def decode_video(data: bytes, header: VideoHeader, config: VideoProcessorConfig,
                 frames[position] = tvF.resize(tensor.unsqueeze(0), list(target), interpolation=mode, antialias=True)[0]
                 if all(f is not None for f in frames):
                     break
-        except av.error.FFmpegError as error:
+        except VideoError:
+            raise
+        except _unreadable() as error:
             raise VideoError(f"the {header.format} file is corrupt ({_first_line(error)})") from error
     missing = [indices[p] for p, f in enumerate(frames) if f is None]
     if missing:
