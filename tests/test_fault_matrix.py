@@ -39,8 +39,9 @@ SEEN = {
     },
     "hung": {
         "failing": "503",
-        "failing_message": "a collective did not finish within the tensor-parallel timeout: a rank hung",
-        "log": "CRITICAL clef_serve: clef-serve: a collective did not finish ...: a rank hung; exiting (5)\n",
+        "failing_message": "collective 1 of 9 of a forward did not finish within the tensor-parallel timeout (5 s): a "
+        "rank hung",
+        "log": "CRITICAL clef_serve: clef-serve: collective 1 of 9 of a forward ...: a rank hung; exiting (5)\n",
     },
     "trial-sticky": {
         "failures": {

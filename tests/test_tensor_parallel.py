@@ -256,6 +256,46 @@ def test_shadow_runs_the_reference_on_every_rank_and_matches(monkeypatch):
     assert (stats.match, stats.mismatch, stats.dropped) == (len(requests), 0, 0), stats
 
 
+PEER_THAT_LEAVES = """
+import os, sys, torch
+from clef_cuda.parallel.tensor_parallel import _join
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False)
+group = _join(1, 2, store, torch.device("cpu"), 30.0)
+dist.all_reduce(torch.full((4, 8), 2.0), group=group)
+os._exit(0)  # gone before the call's second collective
+"""
+
+
+def test_a_collective_whose_peer_left_fails_the_call_not_hands_back_this_ranks_share():
+    """Gloo completes a collective whose peer is gone with an error and leaves the tensor as this rank's own
+    share; read as done (is_completed() alone, as rank 0 did), the call went on with partial sums. Both ranks
+    are real processes in a real group; rank 1 leaves after the call's first collective."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    peer = subprocess.Popen([sys.executable, "-c", PEER_THAT_LEAVES, str(store.port)], cwd=ROOT)
+    lost: list[str] = []
+    try:
+        group = tensor_parallel._join(0, 2, store, torch.device("cpu"), 30.0)
+        collectives = tensor_parallel._Collectives(group, torch.device("cpu"), 30.0, lost.append)
+        schedule = [("all_reduce", (4, 8), torch.float32)] * 2
+        collectives.begin("forward", schedule)
+        summed = collectives.all_reduce(torch.ones(4, 8))
+        assert torch.equal(summed, torch.full((4, 8), 3.0))  # 1 + 2: the group works
+        assert peer.wait(30) == 0
+        share = torch.ones(4, 8)
+        with pytest.raises(tensor_parallel.TensorParallelLost, match=r"collective failed: Connection closed by peer"):
+            collectives.all_reduce(share)
+        assert len(lost) == 1 and "collective failed" in lost[0], lost
+        with pytest.raises(tensor_parallel.TensorParallelLost):  # and every later collective of the group
+            collectives.all_reduce(torch.ones(4, 8))
+    finally:
+        peer.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def no_leak(engine: Engine) -> None:
     """Idle: every running slot free, and the only KV blocks in use the prefix cache's (and a shadow run's)."""
     assert engine.running_slots.available == engine.plan.running_slots

@@ -32,9 +32,10 @@ reported (its kernel) before the worker exits: the server records the kernel and
 
 Bounded waits, on NCCL as on gloo: collectives are issued asynchronously; on the CPU each is awaited by polling
 with the deadline, on a GPU each is ordered on the stream and the call's end is awaited by polling a CUDA event
-with the deadline (the NCCL watchdog's own timeout is set later, so it never fires first). A worker that exits,
-a call whose answers or device work outlast --tensor-parallel-timeout (a hung rank), or a collective that
-fails marks the group lost: on_lost(reason) is called once (the server turns /ready 503 and exits 5), and
+with the deadline (the backend's own timeout, NCCL's watchdog or gloo's, is set later, so it never fires first;
+a collective gloo completes with an error, a peer gone, is raised as failed). A worker that exits, a call whose
+answers or device work outlast --tensor-parallel-timeout (a hung rank), or a collective that fails marks the
+group lost: on_lost(reason) is called once (the server turns /ready 503 and exits 5), and
 every later call raises TensorParallelLost instead of hanging.
 
 What runs on the workers: the fast ops on the same guarded op library and kernel decisions as rank 0 (the
@@ -49,6 +50,7 @@ import datetime
 import logging
 import os
 import pickle
+import re
 import socket
 import sys
 import threading
@@ -78,7 +80,7 @@ log = logging.getLogger("clef_cuda.parallel.tensor_parallel")
 
 TP_TIMEOUT_S = 60.0  # a call whose collectives or answers take longer: a hung rank, the group is lost
 RENDEZVOUS_TIMEOUT_S = 60.0  # every rank loaded and ready: joining the group takes seconds
-NCCL_WATCHDOG_GRACE_S = 30.0  # the NCCL watchdog's timeout is ours plus this: our own deadline fires first
+BACKEND_TIMEOUT_GRACE_S = 30.0  # NCCL's watchdog and gloo time out at ours plus this: our own deadline fires first
 EXIT_WORKER_FAILED = 3  # a worker that could not start (its report says why)
 EXIT_WORKER_FAULT = 4  # a worker whose CUDA context a kernel destroyed (it reported the kernel first)
 # The command that starts a worker rank (its flags follow). Never read from the environment: only a test's own
@@ -123,11 +125,12 @@ class _Collectives:
     def __init__(self, group, device: torch.device, timeout: float, on_lost: Callable[[str], None]) -> None:
         self.group, self.device, self.timeout, self.on_lost = group, device, timeout, on_lost
         self.lost: str | None = None
+        self.call = ""
         self.schedule: list = []
         self.done = 0
 
-    def begin(self, schedule: list) -> None:
-        self.schedule, self.done = schedule, 0
+    def begin(self, call: str, schedule: list) -> None:
+        self.call, self.schedule, self.done = call, schedule, 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -157,12 +160,18 @@ class _Collectives:
             if self.device.type == "cuda":
                 work.wait()  # ordered on the stream; the call's end is awaited with the deadline (settle)
             else:
-                _await(work.is_completed, time.monotonic() + self.timeout, "a collective")
+                what = f"collective {self.done + 1} of {len(self.schedule)} of a {self.call or 'call'}"
+                _await(work.is_completed, time.monotonic() + self.timeout, what)
+                # Gloo completes a collective whose peer is gone, with an error and the tensor left as this
+                # rank's share: wait() raises that error (unchecked, the call went on with a partial sum).
+                work.wait()
         except TensorParallelLost as error:
             self._lose(str(error))
             raise
         except Exception as error:  # gloo / NCCL: a peer gone, or the group's own timeout
-            reason = f"a tensor-parallel collective failed: {first_line(error)}"
+            # (gloo's message starts with its source file and line: "[/__w/pytorch/.../pair.cc:561] Connection...")
+            said = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error, 400))
+            reason = f"a tensor-parallel collective failed: {said[:200]}"
             self._lose(reason)
             raise TensorParallelLost(reason) from error
         self.done += 1
@@ -190,10 +199,12 @@ class _Collectives:
 def _await(done: Callable[[], bool], deadline: float, what: str) -> None:
     """Poll done() until it is true; TensorParallelLost past `deadline` (a hung rank). Spins briefly, then backs
     off to a millisecond between looks."""
-    pause = 0.0
+    pause, started = 0.0, time.monotonic()
     while not done():
         if time.monotonic() > deadline:
-            raise TensorParallelLost(f"{what} did not finish within the tensor-parallel timeout: a rank hung")
+            raise TensorParallelLost(
+                f"{what} did not finish within the tensor-parallel timeout ({deadline - started:.0f} s): a rank hung"
+            )
         time.sleep(pause)
         pause = min(1e-3, pause * 2 or 1e-5)
 
@@ -346,7 +357,7 @@ class TensorParallel:
         except BaseException:
             self.stop()
             raise
-        self.collectives = _Collectives(group, device, self.timeout, self.mark_lost)
+        self.collectives = _Collectives(group, device, self.timeout, self._collective_lost)
 
     def _rendezvous(self, device: torch.device):
         """Join the group as rank 0 on a thread, polling the workers meanwhile (one that dies is seen at once)."""
@@ -382,6 +393,16 @@ class TensorParallel:
         if self.on_lost is not None:
             self.on_lost(reason, self.lost_fault)
 
+    def _collective_lost(self, reason: str) -> None:
+        """A collective failed or timed out. A worker that met a sticky CUDA fault named its kernel on its way out,
+        before its end of the group closed (which is what failed the collective): that fault is the reason, so that
+        the server records the kernel (exit 4), as when the worker's answer or its exit is seen first."""
+        for worker, channel in zip(self.workers, self.channels, strict=True):
+            if (fault := self._reported_fault(worker, channel)) is not None:
+                self.mark_lost(f"{worker.name}: {fault}", fault)
+                return
+        self.mark_lost(reason)
+
     def _watch(self) -> None:
         while not self._stopping and self.lost is None:
             for worker, channel in zip(self.workers, self.channels, strict=True):
@@ -393,7 +414,8 @@ class TensorParallel:
             time.sleep(0.2)
 
     def _reported_fault(self, worker: Child, channel: Connection):
-        """The sticky CUDA fault a dead worker reported on its way out, if it did (its last message)."""
+        """The sticky CUDA fault a worker reported on its way out, if it did (its last message; the group is lost:
+        any other message it sent is read and dropped)."""
         with self._read_lock:
             try:
                 while channel.poll(0):
@@ -426,12 +448,12 @@ class TensorParallel:
             raise self._lost_error() from error
         collectives = self.collectives
         c = trunk.config
-        collectives.begin(collective_schedule(call, message[2], c.hidden_size, c.num_layers, trunk.dtype))
+        collectives.begin(call, collective_schedule(call, message[2], c.hidden_size, c.num_layers, trunk.dtype))
         error = result = None
         try:
             result = local()
-        except TensorParallelLost:
-            raise
+        except TensorParallelLost as lost:  # a collective failed: the reason the group was lost (a fault?)
+            raise self._lost_error() from lost
         except Exception as raised:  # rank 0's part failed: the others finish the call, then it fails here
             if classify(raised) == STICKY or isinstance(raised, KernelFault):
                 raise  # no collective can run on this device again: the server records the kernel and exits
@@ -540,11 +562,12 @@ class RemoteVisionTower:
 
 
 def _join(rank: int, size: int, store, device: torch.device, timeout: float):
-    """Join the ranks (NCCL on CUDA, gloo on the CPU) as `rank` over `store`. Gloo's own timeout is the
-    tensor-parallel timeout; NCCL's watchdog gets a grace on top, so that our polled deadline fires first."""
+    """Join the ranks (NCCL on CUDA, gloo on the CPU) as `rank` over `store`. The backend's own timeout (NCCL's
+    watchdog, gloo's) is the tensor-parallel timeout plus a grace, so that our polled deadline fires first and a
+    hung rank is named as one (gloo timing out first, at 5 s, failed the call as "unbound buffer" instead)."""
     import torch.distributed as dist
 
-    grace = NCCL_WATCHDOG_GRACE_S if device.type == "cuda" else 0.0
+    grace = BACKEND_TIMEOUT_GRACE_S
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         store=store,
@@ -651,7 +674,7 @@ def _worker(args, channel: Connection) -> int:
                 return 0
             _, ops_name, rows, *rest = message
             on, answer = trunks[ops_name], None
-            collectives.begin(collective_schedule(call, rows, c.hidden_size, c.num_layers, dtype))
+            collectives.begin(call, collective_schedule(call, rows, c.hidden_size, c.num_layers, dtype))
             try:
                 if call == "forward":
                     batch, name = rest
