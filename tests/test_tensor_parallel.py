@@ -256,6 +256,41 @@ def test_shadow_runs_the_reference_on_every_rank_and_matches(monkeypatch):
     assert (stats.match, stats.mismatch, stats.dropped) == (len(requests), 0, 0), stats
 
 
+def test_calls_from_several_threads_run_one_after_another():
+    """The engine thread's trunk steps and the head thread's vocabulary rows (a finished record's joint head runs
+    beside the next step) call the group at once. Interleaved, one call's all-reduce was paired with another's:
+    the shadow's reference pass hung at its last collective (CI, and 1 run in about 15 here under load), and
+    where shapes agree a call would get the rows of another. Three threads ask for rows of three shapes."""
+    import threading
+
+    group = TensorParallel(2, timeout=10)
+    decider = Decider.from_release(tiny_release(), device="cpu", progress=False, tensor_parallel=group)
+    trunk = decider.trunk
+    try:
+        assert isinstance(trunk.lm_head, VocabShard)  # every rank holds a share: each call sums over the group
+        vocab = decider.config.trunk.vocab_size
+        asks = [torch.arange(n, dtype=torch.int64) * 7 % vocab for n in (3, 40, 399)]
+        alone = [trunk.vocab_rows("lm_head", ids) for ids in asks]  # one thread: the rows each shape must get
+        errors: list[BaseException] = []
+
+        def ask(ids: torch.Tensor, expected: torch.Tensor) -> None:
+            try:
+                for _ in range(30):
+                    assert torch.equal(trunk.vocab_rows("lm_head", ids), expected)
+            except BaseException as error:  # noqa: BLE001 (reported by the test's thread)
+                errors.append(error)
+
+        threads = [threading.Thread(target=ask, args=pair) for pair in zip(asks, alone, strict=True)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads)
+        assert errors == [] and group.lost is None, (errors[:1], group.lost)
+    finally:
+        group.stop()
+
+
 PEER_THAT_LEAVES = """
 import os, sys, torch
 from clef_cuda.parallel.tensor_parallel import _join

@@ -265,10 +265,14 @@ class TensorParallel:
         self._read_lock = (
             threading.Lock()
         )  # the engine thread reads answers; the watch thread a dead worker's last word
+        # One call at a time, from whichever thread makes it: the engine thread's trunk steps and the head
+        # thread's vocabulary rows (the joint head of a finished record runs beside the next step) interleaved
+        # their messages and collectives, pairing one call's all-reduce with another's (a hang, or sums of the
+        # wrong rows where the shapes agree).
+        self._call_lock = threading.Lock()
         self._stopping = False
         self._store = None
         self._launched = 0.0
-        self.answered: list = []  # what each worker answered to the last call (a self-check's report)
         self._threads_before: int | None = None  # rank 0's intra-op threads before a CPU group shared them
 
     # ---- start-up ------------------------------------------------------------------------------------
@@ -435,7 +439,18 @@ class TensorParallel:
         """Make `call` on every rank: the workers are told first, rank 0 runs local(); every rank finishes the
         call's collectives even if its part raised (lock-step), then rank 0 waits, with the deadline, for its own
         device work and every worker's answer. Raises rank 0's own error, else StepFailedOnRank for a worker's, else
-        returns local()'s result."""
+        returns local()'s result. Calls from several threads run one after another."""
+        return self._call(trunk, call, args, local)[0]
+
+    def workers_answer(self, trunk, call: str, args: tuple) -> list:
+        """Make `call` on every rank (rank 0 has nothing to do); what each worker answered, in rank order."""
+        return self._call(trunk, call, args, lambda: None)[1]
+
+    def _call(self, trunk, call: str, args: tuple, local: Callable) -> tuple:
+        with self._call_lock:
+            return self._call_alone(trunk, call, args, local)
+
+    def _call_alone(self, trunk, call: str, args: tuple, local: Callable) -> tuple:
         if self.lost is not None:
             raise self._lost_error()
         message = _message(trunk, call, args)
@@ -461,19 +476,18 @@ class TensorParallel:
             collectives.drain()
         if error is None:
             collectives.settle()
-        failures = self._answers()
+        failures, answered = self._answers()
         if error is not None:
             raise error
         if failures:
             raise StepFailedOnRank("; ".join(failures))
-        return result
+        return result, answered
 
-    def _answers(self) -> list[str]:
-        """Every worker's answer to the call just made (within the deadline): the failures, in words (what each
-        answered, in self.answered)."""
+    def _answers(self) -> tuple[list[str], list]:
+        """Every worker's answer to the call just made (within the deadline): the failures, in words, and what
+        each answered."""
         deadline = time.monotonic() + self.timeout
-        failures = []
-        self.answered = []
+        failures, answered = [], []
         for worker, channel in zip(self.workers, self.channels, strict=True):
             try:
                 # channel.poll(POLL_S) returns the moment the answer is there; between slices, the worker's liveness
@@ -492,8 +506,8 @@ class TensorParallel:
                 raise self._lost_error()
             if status == "failed":
                 failures.append(f"{worker.name} failed the step: {detail}")
-            self.answered.append(detail)
-        return failures
+            answered.append(detail)
+        return failures, answered
 
     def _receive(self, channel: Connection, worker: Child) -> tuple:
         try:
@@ -517,8 +531,7 @@ class TensorParallel:
 
     def selfcheck(self, trunk, block_size: int) -> list:
         """Every worker's self-check on its shard, with the kernel decisions installed (rank, report) each."""
-        self.call(trunk, "selfcheck", (block_size,), lambda: None)
-        return list(enumerate(self.answered, 1))
+        return list(enumerate(self.workers_answer(trunk, "selfcheck", (block_size,)), 1))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Tell every worker to exit, wait for them (killing any that do not), leave the group."""
@@ -556,8 +569,7 @@ class RemoteVisionTower:
     def __call__(self, images) -> list[torch.Tensor]:
         if not images:
             return []
-        self.group.call(self.trunk, "vision", (images,), lambda: None)
-        features = self.group.answered[self.rank - 1]
+        features = self.group.workers_answer(self.trunk, "vision", (images,))[self.rank - 1]
         return [rows.pin_memory() for rows in features] if self.group.device.type == "cuda" else features
 
 
