@@ -22,7 +22,9 @@ Two channels between rank 0 and each worker:
              embedded rows (each rank's share of the vocabulary), one after each mixer and each MLP, and the
              joint head's option rows of the LM-head table.
 
-Lock-step. Every call has a fixed schedule of collectives (collective_schedule). A rank whose call raises part
+Lock-step. Rank 0 makes one call at a time, whichever thread makes it (the scheduler's steps and shadow
+passes, the head thread's option rows): two calls at once would pair one's all-reduces with the other's.
+Every call has a fixed schedule of collectives (collective_schedule). A rank whose call raises part
 way (an out-of-memory, an error of its own) still makes the rest of that call's collectives, with zeros
 (_Collectives.drain), so no rank is left waiting inside a collective and the next call pairs up; then every
 rank has finished the call, and rank 0 learns from the answers which failed. A failed call fails its step's
