@@ -125,7 +125,7 @@ class VisionTower:
         if not images:
             return []
         c = self.config
-        lengths = [img.grid[0] * img.grid[1] for img in images]
+        lengths = [img.num_patches for img in images]
         n, heads = sum(lengths), c.num_heads
         # The pixels stay where they are (host memory), moved a chunk at a time; one image is not copied.
         pixels = images[0].pixel_values if len(images) == 1 else torch.cat([img.pixel_values for img in images])

@@ -316,9 +316,7 @@ def processor_section(model_dir: str | Path, key: str, alone: str) -> tuple[dict
 def load_processor_config(model_dir: str | Path) -> ImageProcessorConfig | None:
     """The release's image processor settings, or None when the release has no processor file."""
     found = processor_section(model_dir, "image_processor", "preprocessor_config.json")
-    if found is not None:
-        return processor_config(*found)
-    return None
+    return processor_config(*found) if found is not None else None
 
 
 def processor_config(d: dict, where: str) -> ImageProcessorConfig:
@@ -380,9 +378,14 @@ class PreparedImage:
     merge_size: int
 
     @property
+    def num_patches(self) -> int:
+        """Rows of pixel_values: what the tower's step is sized by."""
+        return self.grid[0] * self.grid[1]
+
+    @property
     def num_tokens(self) -> int:
         """<|image_pad|> tokens: one per merged 2x2 block of patches."""
-        return self.grid[0] * self.grid[1] // (self.merge_size * self.merge_size)
+        return self.num_patches // (self.merge_size * self.merge_size)
 
     @property
     def merged_grid(self) -> tuple[int, int]:

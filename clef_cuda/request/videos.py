@@ -305,7 +305,6 @@ def _first_line(error: BaseException) -> str:
 def scan_video(data: bytes, limits: VideoLimits, declared: str | None = None) -> VideoHeader:
     """The container, stream and frame index, without decoding: every limit a header or a scan decides. A declared
     format (the data URL's or content_type's) must be what the bytes are."""
-
     fmt = sniff(data)
     if declared is not None and declared != fmt:
         raise VideoError(f"declared video/{declared}, but the bytes are {fmt.upper()}")

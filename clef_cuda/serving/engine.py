@@ -898,7 +898,7 @@ def _tower_batches(images: list[tuple[bytes, PreparedImage]], patches: int) -> l
     batches: list[list[tuple[bytes, PreparedImage]]] = []
     total = 0
     for item in images:
-        size = item[1].grid[0] * item[1].grid[1]
+        size = item[1].num_patches
         if not batches or total + size > patches:
             batches.append([])
             total = 0
