@@ -274,7 +274,10 @@ __device__ __forceinline__ void prepare(const GatedDeltaRuleParams& p) {
   // A[t][s] = beta_t Gamma[t][s] (k_t . k_s) for s < t (only the strictly lower part is ever read).
   for (int e = tid; e < C * C; e += kGdrChunkThreads) {
     const int t = e / C, s = e % C;
-    if (s < t) a_s[t * LDA + s] *= beta_s[t] * exp_f32(g_s[t] - g_s[s]);
+    if (s < t) {
+      a_s[t * LDA + s] *= beta_s[t] * exp_f32(g_s[t] - g_s[s]);
+      CLEF_CHECK_FINITE(a_s[t * LDA + s], "the chunked delta rule's system A");
+    }
   }
   __syncthreads();
 
@@ -320,6 +323,7 @@ __device__ __forceinline__ void prepare(const GatedDeltaRuleParams& p) {
   // The operands of W and U, rounded once: T diag(beta e^G) and T diag(beta), over A's bytes.
   for (int e = tid; e < C * C; e += kGdrChunkThreads) {
     const int t = e / C, s = e % C;
+    if (s <= t) CLEF_CHECK_FINITE(t_s[t * LDA + s], "the chunked delta rule's inverse T");
     const float ts = s <= t ? t_s[t * LDA + s] * beta_s[s] : 0.0f;
     tw_s[t * LDA + s] = from_f32<T>(ts * CLEF_FAULT(gdr_w_without_decay, exp_f32(g_s[s]), 1.0f));
     tb_s[t * LDA + s] = from_f32<T>(ts);
@@ -515,6 +519,7 @@ __device__ __forceinline__ void carry_state(const GatedDeltaRuleParams& p) {
       float scaled[8];
 #pragma unroll
       for (int cc = 0; cc < 8; ++cc) scaled[cc] = scratch[row * kGdrScratchLd + col + cc] * scale;
+      check_finite8(scaled, "the chunked delta rule's scaled state");
       store8(s_s + (i0 + row) * LDS + j0 + col, scaled);
       store8(h + (i0 + row) * D + col0 + j0 + col, scaled);
     }
