@@ -18,6 +18,7 @@ from conftest import (
 from packing import cu_seqlens_of, nan_like, slot_plan
 
 from clef_cuda.kernels import reference
+from clef_cuda.verification.selfcheck import MAX_PACK_SEQUENCES
 
 # (lengths, [(Hk, Hv, Dk, Dv), ...]) per backend; the CUDA kernels take Dk == Dv in {16, 32, 64, 128}.
 # (key heads, value heads, dk, dv): clef-flash's 2 value heads a key head, clef 27B's 3 (16 / 48 x 128).
@@ -369,6 +370,14 @@ def test_each_card_runs_the_variant_its_residency_picks_and_each_matches_the_ref
         card, sms = cards[cc]
         picked = tuple(state_variant(sim_ops, cc, sms, hv, b) for b in VARIANT_BATCHES)
         assert picked == expected, (card, hv, picked)
+        # The self-check proves each variant a pack of up to MAX_PACK_SEQUENCES picks: every one of those is run
+        # below (the rule reads the pack's count, not its offsets: the self-check asks it the same way).
+        tested = {v for (c, _), vs in VARIANTS.items() if c == cc for v in vs}
+        q, v = torch.empty(64, 16, 128, dtype=torch.float16), torch.empty(64, hv, 128, dtype=torch.float16)
+        cu = torch.zeros(MAX_PACK_SEQUENCES + 1, dtype=torch.int32)
+        with simulated(compute_capability=cc, multiprocessors=sms):
+            packs = {sim_ops.gated_delta_rule_variant(q, v, cu[: b + 1], "chunked") for b in range(1, len(cu))}
+        assert {p.removeprefix("chunked:") for p in packs} <= tested, (card, hv, packs)
     backend = Backend("sim", sim_ops, torch.device("cpu"))
     for cc in sorted({cc for cc, _ in VARIANTS}):
         variants = sorted({v for (c, _), vs in VARIANTS.items() if c == cc for v in vs})
@@ -554,7 +563,9 @@ def test_a_forced_cuda_kernel_on_cpu_tensors_is_refused():
     assert ops.gated_delta_rule_dispatch(args["q"], args["v"], args["cu_seqlens"]) == "cpu"
 
 
-# The test-only faults at the chunked kernel's CLEF_FAULT points: each is a bug the tests above must catch.
+# Three of the test-only faults at the chunked kernel's CLEF_FAULT points: each is a bug the tests above must
+# catch. Every fault point, these included, is also run against the op tests, the self-check and the autotune by
+# tests/test_selfcheck_power.py (benchmarks/selfcheck_power.py).
 CHUNKED_FAULTS = ["gdr_w_without_decay", "gdr_skip_causal_mask", "gdr_state_not_carried"]
 
 

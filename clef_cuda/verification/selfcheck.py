@@ -83,8 +83,9 @@ MAX_PACK_SEQUENCES = 256
 # from near 0 to a few units a token. Fast decays alone (-3 x rand) leave a 64-token chunk's later rows moved by
 # their last few tokens only: a kernel that drops all but the first 16 rows of W, or the P tiles far from the
 # diagonal, stays within tolerance there (5e-4 against 2e-3 in f16) and fails by 10-40% with slow ones. So each
-# (sequence, head) gets one regime in turn, every head a slow one in some long sequence: near 0 (the whole
-# chunk and the state carried whole), slow, and fast. Betas mix 0-ish, 1-ish and uniform draws token by token.
+# (sequence, head) gets one regime in turn: near 0 (the whole chunk and the state carried whole), slow, and fast;
+# over CHUNKED_PACK_LENGTHS every head meets near 0 or slow in a sequence of more than one chunk. Betas mix 0-ish,
+# 1-ish and uniform draws token by token.
 DELTA_RULE_GATES = (1e-3, 0.05, 3.0)  # g = -scale x U(0, 1)
 
 
@@ -388,7 +389,7 @@ class _SelfCheck:
     # ---- gated delta rule ----------------------------------------------------------------------------
     def delta_rule_inputs(self, lengths: tuple[int, ...]) -> tuple[Tensor, ...]:
         """q, k, v, g, beta for a pack of `lengths` at the model's delta-net shapes, drawn so that every row, tile,
-        chunk position, sequence and head of a kernel carries weight (DELTA_RULE_GATES, DELTA_RULE_BETAS)."""
+        chunk position, sequence and head of a kernel carries weight (delta_rule_gates)."""
         c = self.config
         hk, hv, dk, dv = (
             c.linear_num_key_heads,
