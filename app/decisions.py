@@ -62,17 +62,15 @@ async def frame(
         trace = context.tracing.start(request.method, request.url.path, request.headers, request.state.request_id)
     request.state.trace = trace
     current = current_request.set((request.state.request_id, trace.trace_id if trace is not None else None))
-    context.lifecycle.in_flight += 1
-    try:
-        response = await decide()
-    except Exception as error:  # a fault of ours nothing above caught: still the contract's body, counted
-        log.exception("POST %s failed", request.url.path)
-        message = f"the server failed: {first_line(error)}"
-        response = error_response(
-            500, "internal_error", hide_directory(message, context.settings.release_dir, "the release")
-        )
-    finally:
-        context.lifecycle.in_flight -= 1
+    with context.lifecycle.handling():
+        try:
+            response = await decide()
+        except Exception as error:  # a fault of ours nothing above caught: still the contract's body, counted
+            log.exception("POST %s failed", request.url.path)
+            message = f"the server failed: {first_line(error)}"
+            response = error_response(
+                500, "internal_error", hide_directory(message, context.settings.release_dir, "the release")
+            )
     seconds = time.perf_counter() - started
     response.headers["X-Request-Id"] = request.state.request_id
     response = present(response)

@@ -94,8 +94,9 @@ class Metrics:
         self.start_time.set(time.time())
         self.failed = Gauge(
             "clef_failed",
-            "1 when the server failed, by kind: load, selfcheck (it stays up, unready), kernel_fault (exit 4) or "
-            "rank_lost (exit 5; both a second after the failure: a scrape may miss them, the pod's exit code is kept)",
+            "1 when the server failed, by kind: load, selfcheck (at start-up), timed_selfcheck or shadow_mismatch "
+            "(while serving; each stays up, unready), kernel_fault (exit 4) or rank_lost (exit 5; both a second after "
+            "the failure: a scrape may miss them, the pod's exit code is kept)",
             ["kind"],
             registry=r,
         )
@@ -278,8 +279,6 @@ class Metrics:
         if engine.selfcheck_report is not None and engine.selfcheck_report is not self._selfcheck_seen:
             self._selfcheck_seen = engine.selfcheck_report  # a timed run: the same families as at start-up
             self.observe_selfcheck(engine.selfcheck_report)
-        if engine.verification_failure:
-            self.ready.set(0)
         for part, nbytes in engine.weight_bytes.items():
             self.weight_bytes.labels(part=part).set(nbytes)
         self.weight_bytes.labels(part="adapters").set(engine.adapters.bytes() if engine.adapters is not None else 0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -151,10 +150,8 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._stop_when_idle, name="clef-drain", daemon=True).start()
 
     def _stop_when_idle(self) -> None:
-        deadline = time.monotonic() + self._drain_timeout
         lifecycle: Lifecycle = self._app.state.lifecycle
-        while time.monotonic() < deadline and not lifecycle.idle():
-            time.sleep(0.05)
+        lifecycle.wait_until_idle(self._drain_timeout)
         # Not super().handle_exit: uvicorn would re-raise the recorded signal after its shutdown and the
         # process would die of SIGTERM. A completed drain is a clean exit: code 0.
         self.should_exit = True

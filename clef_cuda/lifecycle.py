@@ -2,8 +2,9 @@
 wrong" in one object, readable and testable without HTTP (app/ maps it onto /ready and the decision routes).
 
     LOADING -> TUNING -> SELF_CHECKING -> WARMING -> READY -> DRAINING
-                  \\            \\              \\         \\
-                   `------------`--------------`---------`--> FAILED (a reason; an exit code where the process ends)
+                  \\            \\              \\         \\          \\
+                   `------------`--------------`---------`-----------`--> FAILED (a reason; an exit code where the
+                                                                              process ends)
 
 - LOADING: the weights load (on the loader's thread; /health answers meanwhile). A load that raises: FAILED, the
   process stays up unready; a tensor-parallel rank that could not start (`fatal` on the error): FAILED, exit
@@ -14,9 +15,11 @@ wrong" in one object, readable and testable without HTTP (app/ maps it onto /rea
   under `--selfcheck enforce`: FAILED ("selfcheck_failed"), never answers, the process stays up so /ready says why;
   `warn`: logged loudly and serving goes on; `off`: not run.
 - WARMING: the engine starts and answers one warm-up decision.
-- READY: decisions are answered, unless the engine's own verification stops them (a shadow mismatch, a failed timed
-  self-check, under enforce: `refusal()` says "verification_failed"); the process stays up, out of rotation.
-- DRAINING: a SIGTERM or shutdown: new decisions are refused, in-flight ones finish.
+- READY: decisions are answered. The engine's own verification while it serves reports here: a failed timed
+  self-check (timed_selfcheck_failed) under `--selfcheck enforce`, or --shadow-max-mismatches shadow mismatches
+  (shadow_mismatch) under `--shadow-mode enforce`: FAILED ("verification_failed"), the process stays up, out of
+  rotation, until an operator restarts it; `warn`: logged loudly and serving goes on.
+- DRAINING: a SIGTERM or shutdown: new decisions are refused, in-flight ones finish (wait_until_idle).
 - FAILED from anywhere: a sticky CUDA fault (kernel_fault: the kernel recorded as failed in the autotune cache, exit
   EXIT_KERNEL_FAULT) or a lost tensor-parallel rank (rank_lost: exit EXIT_TENSOR_PARALLEL_LOST), each after
   `exit_delay` seconds so in-flight requests get their 503 first. FAILED is final: nothing leaves it.
@@ -27,7 +30,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -57,13 +62,15 @@ class Phase(Enum):
     FAILED = "failed"
 
 
-# Why a FAILED server failed (Failure.kind).
+# Why a FAILED server failed (Failure.kind, clef_failed{kind}).
 LOAD, SELFCHECK, KERNEL_FAULT, RANK_LOST = "load", "selfcheck", "kernel_fault", "rank_lost"
+TIMED_SELFCHECK, SHADOW_MISMATCH = "timed_selfcheck", "shadow_mismatch"  # while serving: /ready "verification_failed"
+VERIFICATION = (TIMED_SELFCHECK, SHADOW_MISMATCH)
 
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # LOAD, SELFCHECK, KERNEL_FAULT or RANK_LOST
+    kind: str  # LOAD, SELFCHECK, KERNEL_FAULT, RANK_LOST, TIMED_SELFCHECK or SHADOW_MISMATCH
     reason: str
     exit_code: int | None  # the process ends with it, `exit_delay` seconds later; None: it stays up, unready
 
@@ -197,6 +204,9 @@ class Lifecycle:
             if not self._enter(Phase.WARMING):
                 return
             self.engine = engine  # from here a drain or shutdown reaches the engine's threads
+        # Its verification from the warm-up decision on (that decision's shadow check may be the first verdict).
+        engine.on_timed_selfcheck_failed = self.timed_selfcheck_failed
+        engine.shadow.on_mismatch = self.shadow_mismatch
         if engine.adapters is not None:  # the start-up loads (runtime ones are counted as they happen)
             self.observer.adapters_loaded(engine.adapters.loads["ok"])
         engine.start()
@@ -295,15 +305,58 @@ class Lifecycle:
             return
         self.fail(RANK_LOST, reason, EXIT_TENSOR_PARALLEL_LOST)
 
+    def timed_selfcheck_failed(self, report: SelfCheckReport) -> None:
+        """The engine's timed self-check (--selfcheck-interval) failed while serving: under `--selfcheck enforce`
+        FAILED (TIMED_SELFCHECK; the process stays up, unready, its answers refused); `warn`: logged, serving on."""
+        if self.settings.selfcheck != "enforce":
+            log.error("--selfcheck warn: SERVING ANYWAY on kernels that failed their self-check; answers may be wrong")
+            return
+        self.fail(TIMED_SELFCHECK, f"the on-device kernel self-check {report.summary()}")
+
+    def shadow_mismatch(self, mismatches: int, reason: str) -> None:
+        """The shadow found an answered record that the reference ops decide differently (`mismatches` so far,
+        `reason` naming the first difference): under `--shadow-mode enforce`, from --shadow-max-mismatches on,
+        FAILED (SHADOW_MISMATCH; the process stays up, unready, until an operator restarts it: its answers are
+        suspect); `warn`: logged, serving on."""
+        shadow = self.engine.config.shadow
+        if shadow.mode != "enforce":
+            log.error("--shadow-mode warn: SERVING ANYWAY on kernels whose answers differed from the reference")
+            return
+        if mismatches < shadow.max_mismatches:
+            return
+        if self.phase is not Phase.FAILED:
+            log.error("%s; decisions are refused until an operator restarts the server", reason)
+        self.fail(SHADOW_MISMATCH, reason)
+
     def drain(self) -> None:
-        """Stop taking decisions (SIGTERM): DRAINING, in-flight ones finish."""
+        """Stop taking decisions (SIGTERM): DRAINING (FAILED stays FAILED), in-flight ones finish."""
         with self._lock:
-            if self.phase is Phase.FAILED:
-                return
-            self.phase = Phase.DRAINING
+            if self.phase is not Phase.FAILED:
+                self.phase = Phase.DRAINING
         self.observer.ready(False)
         if self.engine is not None:
             self.engine.drain()
+
+    @contextmanager
+    def handling(self) -> Iterator[None]:
+        """Around a decision's handling: counted in flight (a drain waits for it)."""
+        with self._lock:
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def wait_until_idle(self, timeout: float, poll: float = 0.05) -> bool:
+        """After drain(): wait for the decisions in flight (handlers and the engine's queue and steps), at most
+        `timeout` seconds; True when idle."""
+        deadline = time.monotonic() + timeout
+        while not self.idle():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
+        return True
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """The server stops: DRAINING (unless FAILED), then the engine's shutdown."""
@@ -314,22 +367,19 @@ class Lifecycle:
     # ---- what a decision or a probe asks ------------------------------------------------------------
     @property
     def status(self) -> str:
-        """The status /ready names: loading (every start-up phase), ready, draining, selfcheck_failed or failed."""
+        """The status /ready names: loading (every start-up phase), ready, draining, selfcheck_failed (at start-up),
+        verification_failed (a timed self-check or the shadow, while serving) or failed."""
         if self.phase is Phase.FAILED:
-            return "selfcheck_failed" if self.failure is not None and self.failure.kind == SELFCHECK else "failed"
+            kind = self.failure.kind if self.failure is not None else None
+            if kind == SELFCHECK:
+                return "selfcheck_failed"
+            return "verification_failed" if kind in VERIFICATION else "failed"
         if self.phase in (Phase.READY, Phase.DRAINING):
             return self.phase.value
         return Phase.LOADING.value
 
-    def verification_failure(self) -> str | None:
-        """The engine's own refusal while READY: a shadow mismatch or a failed timed self-check (enforce)."""
-        return self.engine.verification_failure if self.engine is not None else None
-
     def refusal(self) -> Refusal | None:
         """Why a decision may not be answered now; None: answer it (with self.engine)."""
-        unverified = self.verification_failure()
-        if unverified:
-            return Refusal("verification_failed", f"this server does not answer: {unverified}")
         if self.phase is Phase.READY and self.engine is not None:
             return None
         status = self.status
@@ -343,13 +393,10 @@ class Lifecycle:
         return Refusal(status, f"this server does not answer: {failure.reason if failure else status}")
 
     def readiness(self) -> tuple[bool, str, str | None]:
-        """/ready: (ready, status, why not: the engine's verification failure, the failure's reason, or the
-        status)."""
-        failure = self.verification_failure()
-        ready = self.phase is Phase.READY and not failure
-        status = "verification_failed" if failure else self.status
-        why = None if ready else failure or (self.failure.reason if self.failure is not None else status)
-        return ready, status, why
+        """/ready: (ready, status, why not: the failure's reason, or the status)."""
+        ready = self.phase is Phase.READY
+        why = None if ready else self.failure.reason if self.failure is not None else self.status
+        return ready, self.status, why
 
     def selfcheck_report(self) -> SelfCheckReport | None:
         """The latest self-check: the engine's timed one once it ran, else the start-up one."""

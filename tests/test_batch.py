@@ -340,7 +340,7 @@ def test_a_verification_refusal_stops_the_run_and_the_rerun_asks_the_rest(
     def count_then_fail(self, line, restored=False):
         real_count(self, line, restored)
         if len(engines) == 1 and self.rows == 5:
-            engines[0].shadow.failure = "3 shadow mismatches (injected)"
+            engines[0].shadow.on_mismatch(3, "3 shadow mismatches (injected)")  # as the lifecycle wired it
 
     monkeypatch.setattr(batch_command, "make_engine", engine_for)
     monkeypatch.setattr(batch.Summary, "count", count_then_fail)

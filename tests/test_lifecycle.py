@@ -21,6 +21,7 @@ from clef_cuda.lifecycle import (
 from clef_cuda.tuning.autotune import AutotuneReport, cache_file
 from clef_cuda.verification.guarded_ops import KernelFault
 from clef_cuda.verification.selfcheck import Check, SelfCheckReport
+from clef_cuda.verification.shadow import ShadowConfig
 
 
 def report(passed: bool) -> SelfCheckReport:
@@ -31,16 +32,16 @@ def report(passed: bool) -> SelfCheckReport:
 class FakeEngine:
     """What the lifecycle asks of clef_cuda.serving.engine.Engine, recording what it was told."""
 
-    def __init__(self, on_decide=None, peers=None, adapters=None) -> None:
+    def __init__(self, on_decide=None, peers=None, adapters=None, shadow: ShadowConfig | None = None) -> None:
         self.decider = SimpleNamespace(trunk=SimpleNamespace(peers=peers))
-        self.config = SimpleNamespace(block_size=16)
+        self.config = SimpleNamespace(block_size=16, shadow=shadow or ShadowConfig())
         self.adapters = adapters
         self.calls: list[str] = []
         self.on_decide = on_decide
-        self.verification_failure: str | None = None
         self.selfcheck_report: SelfCheckReport | None = None
         self.queue_depth = self.running = 0
-        self.on_kernel_fault = None
+        self.on_kernel_fault = self.on_timed_selfcheck_failed = None
+        self.shadow = SimpleNamespace(on_mismatch=None)  # the engine's ShadowVerifier: its verdicts' hook
 
     def start(self) -> None:
         self.calls.append("start")
@@ -269,16 +270,60 @@ def test_a_warm_up_that_raises_fails_instead_of_loading_forever(tools, recorder)
     assert "the warm-up decision failed: RuntimeError: out of KV blocks" in lifecycle.refusal().message
 
 
-def test_the_engines_own_verification_turns_a_ready_server_away(tools, recorder):
-    lifecycle = tools.make()
+@pytest.mark.parametrize("mode", ["enforce", "warn"])
+def test_a_failed_timed_selfcheck_under_each_mode(tools, recorder, mode, caplog):
+    """The engine's timed self-check fails while serving (through the hook the lifecycle gave it): under enforce
+    FAILED, /ready "verification_failed" with the checks that failed, decisions refused, no exit (out of rotation
+    until restarted), counted as clef_failed{kind="timed_selfcheck"}; under warn READY, logged loudly."""
+    lifecycle = tools.make(selfcheck=mode)
     engine = FakeEngine()
     lifecycle.start(engine)
-    engine.verification_failure = "a shadow decision differed"
-    assert lifecycle.readiness() == (False, "verification_failed", "a shadow decision differed")
-    assert lifecycle.refusal().message == "this server does not answer: a shadow decision differed"
     assert lifecycle.selfcheck_report() is lifecycle.selfcheck
     engine.selfcheck_report = report(False)
+    engine.on_timed_selfcheck_failed(engine.selfcheck_report)
     assert lifecycle.selfcheck_report() is engine.selfcheck_report  # the timed one, once it ran
+    if mode == "warn":
+        assert lifecycle.phase is Phase.READY and lifecycle.refusal() is None and recorder.failed == []
+        assert "SERVING ANYWAY" in caplog.text
+        return
+    ready, status, why = lifecycle.readiness()
+    assert lifecycle.phase is Phase.FAILED and not ready and status == "verification_failed"
+    assert why.startswith("the on-device kernel self-check FAILED") and "gated_delta_rule" in why
+    assert lifecycle.refusal() == lifecycle_module.Refusal("verification_failed", f"this server does not answer: {why}")
+    assert recorder.failed == ["timed_selfcheck"] and recorder.ready == [True, False] and recorder.exits == []
+
+
+@pytest.mark.parametrize("mode", ["enforce", "warn"])
+def test_shadow_mismatches_under_each_mode_and_the_most_allowed(tools, recorder, mode, caplog):
+    """The shadow's mismatches (through the hook the lifecycle gave it): under enforce with
+    --shadow-max-mismatches 2 the first leaves the server READY and the second is FAILED, /ready
+    "verification_failed" with the shadow's reason, no exit; under warn each is logged and serving goes on."""
+    lifecycle = tools.make()
+    engine = FakeEngine(shadow=ShadowConfig(mode=mode, max_mismatches=2))
+    lifecycle.start(engine)
+    engine.shadow.on_mismatch(1, "shadow verification failed: 1 served record(s) differed (layer 3)")
+    assert lifecycle.phase is Phase.READY and lifecycle.refusal() is None
+    engine.shadow.on_mismatch(2, "shadow verification failed: 2 served record(s) differed (layer 3)")
+    if mode == "warn":
+        assert lifecycle.phase is Phase.READY and recorder.failed == [] and "SERVING ANYWAY" in caplog.text
+        return
+    assert lifecycle.readiness() == (
+        False,
+        "verification_failed",
+        "shadow verification failed: 2 served record(s) differed (layer 3)",
+    )
+    assert lifecycle.refusal().message.startswith("this server does not answer: shadow verification failed: 2")
+    assert recorder.failed == ["shadow_mismatch"] and recorder.exits == []
+    lifecycle.drain()  # a verification failure stays the reason through a drain, and the engine still drains
+    assert lifecycle.status == "verification_failed" and engine.calls[-1] == "drain"
+
+
+def test_the_shadow_of_the_warm_up_decision_keeps_the_server_from_ready(tools, recorder):
+    """The warm-up decision is the first the shadow may judge: a mismatch there and the server never turns ready."""
+    lifecycle = tools.make()
+    engine = FakeEngine(on_decide=lambda: engine.shadow.on_mismatch(1, "shadow verification failed: warm-up"))
+    lifecycle.start(engine)
+    assert lifecycle.phase is Phase.FAILED and lifecycle.status == "verification_failed" and True not in recorder.ready
 
 
 def test_idle_counts_the_handlers_and_the_engine(tools):
@@ -286,10 +331,13 @@ def test_idle_counts_the_handlers_and_the_engine(tools):
     assert lifecycle.idle()
     engine = FakeEngine()
     lifecycle.start(engine)
-    lifecycle.in_flight = 1
+    with lifecycle.handling():
+        assert not lifecycle.idle() and not lifecycle.wait_until_idle(0.05, poll=0.01)
+    assert lifecycle.idle()
+    engine.running = 1
     assert not lifecycle.idle()
-    lifecycle.in_flight, engine.running = 0, 1
-    assert not lifecycle.idle()
+    threading.Timer(0.1, lambda: setattr(engine, "running", 0)).start()
+    assert lifecycle.wait_until_idle(5.0, poll=0.01)  # a drain waits for the engine's last step
 
 
 def test_transitions_from_many_threads_leave_one_failure(tools, recorder):

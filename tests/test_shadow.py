@@ -516,7 +516,7 @@ def test_enforcement_is_in_proportion_a_probability_just_past_its_tolerance_is_m
 
     def verdict(verifier, dp, layers=()):
         verifier._judge(ShadowResult(sample, [], dp, "q", list(layers)))
-        return verifier.stats, verifier.failure
+        return verifier.stats, verifier.last_reason
 
     verifier = ShadowVerifier(ShadowConfig(rate=1.0), torch.float32, lambda adapter: None, depth=4)
     tolerance = verifier.tolerance

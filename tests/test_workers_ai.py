@@ -213,16 +213,16 @@ class FailingEngine(Engine):
         raise self.error
 
 
-def failing_selfcheck(*args, **kwargs):
+def failing_selfcheck(*args, passed: bool = False, **kwargs):
     from clef_cuda.verification.selfcheck import Check, SelfCheckReport
 
-    return SelfCheckReport("cpu", "float32", 0.0, (Check("injected.k", 1.0, 1e-5),))
+    return SelfCheckReport("cpu", "float32", 0.0, (Check("injected.k", 0.0 if passed else 1.0, 1e-5),))
 
 
 INFERENCE_FAILURES = {
     # case: (how the engine fails, what /v1/systemone answers (its contract, unchanged), words of the message)
     "a shadow mismatch (enforce)": ("shadow", 503, "service_unavailable", ["injected shadow mismatch"]),
-    "a failed timed self-check": ("timed selfcheck", 503, "service_unavailable", ["injected timed self-check"]),
+    "a failed timed self-check": ("timed selfcheck", 503, "service_unavailable", ["self-check FAILED", "injected.k"]),
     "a failed start-up self-check": ("start-up selfcheck", 503, "service_unavailable", ["injected.k"]),
     "a model error": ("model error", 500, "internal_error", ["injected model error"]),
     "a step out of memory": ("out of memory", 503, "service_unavailable", ["injected out of memory"]),
@@ -234,7 +234,7 @@ def test_an_inference_failure_is_529_5012_and_v1_systemone_keeps_its_contract(de
     """Each way the engine fails to answer: 529 with code 5012 in the envelope on this route (Retry-After kept
     where our answer has one); /v1/systemone still answers its own status and `{"detail": {...}}` body."""
     how, v1_status, v1_type, words = INFERENCE_FAILURES[case]
-    settings = ServerSettings(selfcheck="enforce" if how == "start-up selfcheck" else "off")
+    settings = ServerSettings(selfcheck="enforce" if how in ("start-up selfcheck", "timed selfcheck") else "off")
     if how == "model error":
         engine = FailingEngine(decider, engine_config(), error=RuntimeError("injected model error"))
     elif how == "out of memory":
@@ -243,11 +243,13 @@ def test_an_inference_failure_is_529_5012_and_v1_systemone_keeps_its_contract(de
         engine = make_engine(decider)
     if how == "start-up selfcheck":
         monkeypatch.setattr(server_module, "run_selfcheck", failing_selfcheck)
+    if how == "timed selfcheck":  # passes at start-up, fails on the timer
+        monkeypatch.setattr(server_module, "run_selfcheck", lambda *a, **k: failing_selfcheck(passed=True))
     with TestClient(create_app(settings, engine=engine, warm_up=False)) as c:
-        if how == "shadow":
-            engine.shadow.failure = "3 shadow mismatches: injected shadow mismatch"
+        if how == "shadow":  # the engine's hooks, as the lifecycle wired them
+            engine.shadow.on_mismatch(3, "3 shadow mismatches: injected shadow mismatch")
         if how == "timed selfcheck":
-            engine.selfcheck_failure = "injected timed self-check failure"
+            engine.on_timed_selfcheck_failed(failing_selfcheck())
         error = assert_failure(run(c, headers={}), 529, 5012, *words)
         v1 = c.post("/v1/systemone", json=BODY | {"model": "clef-flash"})
         assert v1.status_code == v1_status, v1.text

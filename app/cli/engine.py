@@ -146,7 +146,6 @@ def engine_config(args):
     return EngineConfig(
         shadow=ShadowConfig(args.shadow_rate, args.shadow_mode, args.shadow_max_mismatches, args.shadow_min_interval),
         selfcheck_interval=args.selfcheck_interval if args.selfcheck != "off" else None,
-        selfcheck_mode=args.selfcheck,
         max_num_seqs=args.max_num_seqs,
         prefill_chunk_size=args.prefill_chunk_size,
         max_model_len=args.max_model_len,

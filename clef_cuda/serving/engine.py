@@ -88,10 +88,9 @@ class EngineConfig:
     vision_cache_bytes: int = 256 * 2**20  # vision-tower outputs kept by image digest
     # Re-deciding a sample of answered records on the reference ops, when idle (clef_cuda.verification.shadow).
     shadow: ShadowConfig = ShadowConfig()
-    # The start-up self-check again every this many seconds, when idle (None: only at start-up); with
-    # selfcheck_mode "enforce" a failure stops the server answering, "warn" logs it.
+    # The start-up self-check again every this many seconds, when idle (None: only at start-up); a failure is
+    # handed to on_timed_selfcheck_failed (the lifecycle's, which applies --selfcheck).
     selfcheck_interval: float | None = None
-    selfcheck_mode: str = "enforce"
 
 
 @dataclass
@@ -240,7 +239,7 @@ class Engine:
         self.shadow.lender = self
         self.sketch = CountSketch(decider.config.trunk.hidden_size, decider.device) if config.shadow.enabled else None
         self.selfcheck_report: SelfCheckReport | None = None  # the last timed run's (None: none yet)
-        self.selfcheck_failure: str | None = None
+        self.on_timed_selfcheck_failed: Callable[[SelfCheckReport], None] | None = None
         self._next_selfcheck: float | None = None
         self._last_busy = 0.0  # when the scheduler last did real work (IDLE_GRACE_S)
         # A sticky CUDA error (clef_cuda.verification.guarded_ops): the device is unusable for the rest of this
@@ -397,12 +396,6 @@ class Engine:
             waiting = {ticket.adapter.name for ticket, _ in self._queue if ticket.adapter is not None}
         return sorted(running), sorted(waiting)
 
-    @property
-    def verification_failure(self) -> str | None:
-        """Why this engine must not answer any more (enforce mode: a shadow mismatch, or a failed timed
-        self-check), else None. The HTTP layer turns /ready and decisions to 503 with it."""
-        return self.shadow.failure or self.selfcheck_failure
-
     def state_slots_in_use(self) -> int:
         return (self.plan.running_slots - self.running_slots.available) + (
             self.plan.snapshot_slots - self.snapshot_slots.available
@@ -529,10 +522,8 @@ class Engine:
             return
         banner = "!" * 100
         log.error("%s\ntimed on-device kernel self-check %s\n%s\n%s", banner, report.summary(), report.table(), banner)
-        if self.config.selfcheck_mode == "enforce":
-            self.selfcheck_failure = f"the on-device kernel self-check {report.summary()}"
-        else:
-            log.error("--selfcheck warn: SERVING ANYWAY on kernels that failed their self-check; answers may be wrong")
+        if self.on_timed_selfcheck_failed is not None:
+            self.on_timed_selfcheck_failed(report)
 
     def _drop_forgotten(self) -> None:
         with self._lock:

@@ -591,7 +591,10 @@ class ShadowVerifier:
         self.config, self.release = config, release  # release(adapter): let go of a held variant
         self.tolerance = probability_tolerance(dtype, depth)  # of the probabilities (the layers': their checks)
         self.stats = ShadowStats()
-        self.failure: str | None = None  # set once enforce mode has seen max_mismatches mismatches
+        # Told each mismatch counted (how many so far, and why: the first difference of this one); the lifecycle's
+        # (clef_cuda.lifecycle.Lifecycle.shadow_mismatch) applies --shadow-mode and --shadow-max-mismatches.
+        self.on_mismatch: Callable[[int, str], None] | None = None
+        self.last_reason: str | None = None  # the latest mismatch's
         self._admitted = 0
         self._lock = threading.Lock()
         self._waiting: deque[ShadowSample] = deque()
@@ -739,8 +742,8 @@ class ShadowVerifier:
         self.stats.floor_chunks += 1
 
     def _judge(self, result: ShadowResult) -> str:
-        """Count the verdict on `result` ("match", "marginal" or "mismatch"), log it, and under enforce stop the
-        server's answers when its mismatches reach --shadow-max-mismatches; returns the verdict."""
+        """Count the verdict on `result` ("match", "marginal" or "mismatch"), log it, and hand a mismatch to
+        on_mismatch; returns the verdict."""
         s = self.stats
         s.max_abs_error = max(s.max_abs_error, result.max_abs_error)
         s.errors = (s.errors + [result.max_abs_error])[-1000:]
@@ -831,13 +834,11 @@ class ShadowVerifier:
             banner,
             extra={"request_id": result.sample.request_id},
         )
-        if self.config.mode == "enforce" and s.mismatch >= self.config.max_mismatches and self.failure is None:
-            self.failure = (
-                f"shadow verification failed: {s.mismatch} served record(s) differed from the reference ops "
-                f"(request {result.sample.request_id}: first at {where}, error {error:.3g} > {tolerance:.3g}; max "
-                f"|dp| {result.max_abs_error:.3g}, question {result.worst_question!r})"
-            )
-            log.error("%s; decisions are refused until an operator restarts the server", self.failure)
-        elif self.config.mode == "warn":
-            log.error("--shadow-mode warn: SERVING ANYWAY on kernels whose answers differed from the reference")
+        self.last_reason = (
+            f"shadow verification failed: {s.mismatch} served record(s) differed from the reference ops "
+            f"(request {result.sample.request_id}: first at {where}, error {error:.3g} > {tolerance:.3g}; max "
+            f"|dp| {result.max_abs_error:.3g}, question {result.worst_question!r})"
+        )
+        if self.on_mismatch is not None:
+            self.on_mismatch(s.mismatch, self.last_reason)
         return "mismatch"
