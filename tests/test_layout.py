@@ -54,8 +54,10 @@ def annotation_only(tree: ast.Module) -> set[int]:
     return skipped
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module `path` imports: `from a.b import c` gives a.b and a.b.c (c may be a module)."""
+def imported_modules(path: Path, module: str | None = None) -> set[str]:
+    """Every module `path` imports: `from a.b import c` gives a.b and a.b.c (c may be a module); a relative
+    import is resolved against the package of `path` (or of `module`, its dotted name): `from ..kernels import
+    ops` in clef_cuda/serving/x.py gives clef_cuda.kernels and clef_cuda.kernels.ops."""
     tree = ast.parse(path.read_text(), str(path))
     skipped = annotation_only(tree)
     names = set()
@@ -64,9 +66,15 @@ def imported_modules(path: Path) -> set[str]:
             continue
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = []
+            if node.level:  # the package `path` is in (itself for an __init__.py), then up a level a dot
+                package = (module or module_name(path)).split(".")[: None if path.name == "__init__.py" else -1]
+                base = package[: len(package) - node.level + 1]
+            imported = ".".join(base + ([node.module] if node.module else []))
+            if imported:
+                names.add(imported)
+                names |= {f"{imported}.{alias.name}" for alias in node.names}
     return names
 
 
@@ -176,6 +184,10 @@ def test_the_check_sees_function_level_imports_and_skips_annotation_only_ones(tm
     )
     imported = imported_modules(source)
     assert "clef_cuda.serving.cache" in imported and "clef_cuda.serving.engine" not in imported
+    relative = tmp_path / "probe.py"
+    relative.write_text("from ..serving import plan\nfrom . import ops\n")
+    imported = imported_modules(relative, "clef_cuda.kernels.probe")
+    assert {"clef_cuda.serving.plan", "clef_cuda.kernels.ops"} <= imported, imported
 
 
 def long_functions(path: Path, limit: int) -> list[str]:
