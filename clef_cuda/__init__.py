@@ -4,9 +4,9 @@ The package in rooms, each importing only the ones listed before it (docs/develo
 errors; kernels (the fast ops beside pure-torch references, the compiled extension clef_cuda._C loaded by
 kernels.extension only, so the references work without a build); request (what a request becomes); runtime (CUDA
 errors, child processes); model (what a release is: weights, trunk, head, vision); decider (one request in process);
-verification (self-check, shadow, guarded ops); tuning (autotune, kernel trials); parallel (tensor parallel);
-serving (the batching engine, its cache and memory plan); lifecycle (whether the server may answer). The HTTP app
-(app/) stands on top.
+compare (two serving configurations on your requests); verification (self-check, shadow, guarded ops); tuning
+(autotune, kernel trials); parallel (tensor parallel); serving (the batching engine, its cache and memory plan);
+lifecycle (whether the server may answer). The HTTP app (app/) stands on top.
 """
 
 __version__ = "0.1.0"
