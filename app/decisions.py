@@ -181,18 +181,18 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
         raise ClientError(404, "not_found_error", f"model {body['model']!r} is not served here")
     try:
         encoding_started = time.time_ns()
+        timeline = trace.timeline if trace is not None else None
         try:
-            record, prepared = await run_in_threadpool(engine.encode, body, found.images, found.videos)
+            record, prepared = await run_in_threadpool(engine.encode, body, found.images, found.videos, timeline)
         except BaseException:
             if adapter is not None:
                 engine.adapters.release(adapter)
             raise
-        if trace is not None:
-            trace.child(
+        if timeline is not None:  # a child of the request's span like the engine's steps: clef.images, ...
+            timeline.add(
                 "encode", encoding_started, images=len(found.images), videos=len(found.videos), tokens=record.num_tokens
             )
         # the engine releases the adapter from here on
-        timeline = trace.timeline if trace is not None else None
         ticket = engine.submit(body, record, prepared, adapter, request.state.request_id, confidence, timeline)
     except ImageError as error:
         return image_refusal(error, found)

@@ -1,6 +1,7 @@
 """Request traces with OpenTelemetry (--otlp-traces-endpoint, vLLM's flag): a span per decision request with a child
-for its encoding and images, its wait in the queue, its images through the tower, each prefill chunk it was part of,
-its head, and, when the shadow re-decides it later, the shadow's run. Exported over OTLP/HTTP (protobuf) in batches.
+for its encoding (with its images and videos), its videos' decoding, its wait in the queue, its images and frame
+groups through the tower, each prefill chunk it was part of, its head, and, when the shadow re-decides it later, the
+shadow's run. Exported over OTLP/HTTP (protobuf) in batches.
 
 Off by default and free when off: without the flag the SDK is never loaded, no span is made and the engine keeps no
 timeline. The SDK and its exporter are an optional extra (`pip install 'clef-cuda[otel]'`; the API alone comes with

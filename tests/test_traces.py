@@ -6,6 +6,7 @@ fastapi's own dependency) and the engine keeps no timeline; without the packages
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import subprocess
@@ -14,13 +15,16 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import clips
 import httpx
 import pytest
+from images import png
 from live import ClefServe, wait_until
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+from releases import tiny_release
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -133,6 +137,49 @@ def test_a_decision_is_a_span_with_its_engine_steps_in_the_clients_trace(traced)
     lines = [json.loads(line) for line in server.text().splitlines() if line.startswith("{")]
     mine = [line for line in lines if line.get("request_id") == "trace-req-1"]
     assert mine and all(line["trace_id"] == CLIENT_TRACE for line in mine)
+
+
+def test_a_decision_with_an_image_and_a_clip_traces_their_decoding_and_the_tower(traced):
+    """A release with a vision tower (the upstream tiny one): the clip's decoding is a `videos` child (its seconds and
+    frame groups), the tower's inputs an `images` child (the image and each frame group), and the request's span says
+    it asked no variant and how many of its tokens the prefix cache held (as its answer says)."""
+    _, receiver = traced
+    server = ClefServe(
+        "--w", str(tiny_release()), "--d", "cpu", "--autotune", "off", "--selfcheck", "off", "--shadow-rate", "0",
+        "--otlp-traces-endpoint", receiver.url,
+    )  # fmt: skip
+    try:
+        server.assert_ready()
+        clip = clips.clip("h264", 96, 64, count=30, fps=10, seed=3)  # 3 s
+        media = {
+            "images": ["data:image/png;base64," + base64.b64encode(png(40, 32)).decode()],
+            "videos": ["data:video/mp4;base64," + base64.b64encode(clip).decode()],
+        }
+        body = DECISION | media | {"model": "clef-flash"}
+        answer = httpx.post(server.url + "/v1/systemone", json=body, headers={"X-Request-Id": "media-1"}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        roots = lambda: [  # noqa: E731
+            s
+            for s in list(receiver.spans)
+            if s.name == "POST /v1/systemone" and attributes(s)["clef.request_id"] == "media-1"
+        ]
+        wait_until(lambda: roots(), "the request's span", timeout=60)
+        (root,) = roots()
+        children = {s.name: s for s in receiver.of_trace(root.trace_id.hex()) if s is not root}
+        assert {"encode", "videos", "queue", "images", "prefill", "head"} <= set(children), sorted(children)
+        videos = attributes(children["videos"])
+        assert (
+            videos["clef.videos"] == 1 and abs(videos["clef.seconds"] - 3.0) < 0.2 and videos["clef.frame_groups"] > 0
+        )
+        assert attributes(children["images"])["clef.inputs"] == 1 + videos["clef.frame_groups"]
+        assert attributes(children["encode"])["clef.videos"] == 1 and attributes(children["encode"])["clef.images"] == 1
+        decoding, encoding = children["videos"], children["encode"]
+        assert encoding.start_time_unix_nano <= decoding.start_time_unix_nano <= decoding.end_time_unix_nano
+        assert decoding.end_time_unix_nano <= children["queue"].start_time_unix_nano
+        assert attributes(root)["clef.variant"] is False
+        assert attributes(root)["clef.cached_tokens"] == answer.json()["x_cached_tokens"]
+    finally:
+        server.kill()
 
 
 def test_a_request_without_traceparent_starts_its_own_trace_and_a_refusal_is_traced_too(traced):

@@ -249,20 +249,33 @@ class Engine:
 
     # ---- submission (any thread) ------------------------------------------------------------------
     def encode(
-        self, request: dict[str, Any], images: list[bytes] = (), videos: list[tuple[bytes, str | None]] = ()
+        self,
+        request: dict[str, Any],
+        images: list[bytes] = (),
+        videos: list[tuple[bytes, str | None]] = (),
+        timeline: Timeline | None = None,
     ) -> tuple[EncodedRecord, list[PreparedImage]]:
         """Validate, prepare the images and videos (decode, preprocess: on the caller's thread, not the scheduler's)
         and encode: RequestError / ImageError / VideoError / RequestTooLongError; also checks the record can ever
         fit. Returns the record and the tower's inputs of its media spans, in order: the images, then each video's
-        frame groups."""
+        frame groups. `timeline`, when given, records the videos' decoding ("videos")."""
         validate_request(request)
         prepared = self.decider.prepare_images(list(images))
+        decoding_ns = time.time_ns()
         clips = self.decider.prepare_videos(list(videos))
         if clips:
             with self._video_lock:
                 self.videos += len(clips)
                 self.video_seconds += sum(clip.seconds for clip in clips)
                 self.video_decode_seconds += sum(clip.decode_seconds for clip in clips)
+            if timeline is not None:
+                timeline.add(
+                    "videos",
+                    decoding_ns,
+                    videos=len(clips),
+                    seconds=sum(clip.seconds for clip in clips),
+                    frame_groups=sum(len(clip.groups) for clip in clips),
+                )
         record = encode_request(
             self.decider.tokenizer,
             request,
@@ -704,7 +717,7 @@ class Engine:
             seq.features = [None if span.end <= seq.position else held[span.digest] for span in seq.record.media]
             if seq.ticket.timeline is not None and seq.ticket.images:
                 tower = sum(span.digest in needed for span in seq.record.media)
-                seq.ticket.timeline.add("images", started_ns, images=len(seq.ticket.images), through_tower=tower)
+                seq.ticket.timeline.add("images", started_ns, inputs=len(seq.ticket.images), through_tower=tower)
 
     def _restore(self, entry: PrefixEntry, slot: int, inputs: HeadInputs, layout: RecordLayout, spans) -> None:
         self.decider.trunk.copy_slot(self.cache, slot, entry.snapshot_slot)

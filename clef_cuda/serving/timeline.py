@@ -1,6 +1,7 @@
-"""What happened to one request inside the engine, and when: its wait in the queue, its images, each prefill chunk
-it was part of, its head, and later the shadow's re-decision. Kept only for a request submitted with a Timeline
-(the server's traces, app/tracing.py, when --otlp-traces-endpoint is set); without one the engine records nothing.
+"""What happened to one request inside the engine, and when: its videos' decoding, its wait in the queue, its images
+and frame groups through the tower, each prefill chunk it was part of, its head, and later the shadow's re-decision.
+Kept only for a request submitted with a Timeline (the server's traces, app/tracing.py, when --otlp-traces-endpoint
+is set); without one the engine records nothing.
 
 Times are wall-clock nanoseconds (time.time_ns), what a trace's spans carry."""
 
@@ -14,7 +15,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Event:
-    name: str  # "queue", "images", "prefill", "head", "shadow"
+    name: str  # "encode" (the HTTP layer's), "videos" (decoding), "queue", "images" (the tower: images, frame
+    # groups), "prefill", "head", "shadow"
     start_ns: int
     end_ns: int
     attributes: dict[str, Any]
