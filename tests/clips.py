@@ -42,15 +42,26 @@ def clip(
     rotation: int | None = None,
     container: str | None = None,
     flat: bool = False,
+    pix_fmt: str = "yuv420p",
+    full_range: bool = False,
+    bt709: bool = False,
+    live: bool = False,
 ) -> bytes:
     """An encoded clip of `count` frames: constant `fps`, or each frame at `times` (seconds: a variable frame rate),
     optionally with a display rotation (degrees) in its container. `flat`: one grey frame repeated (a huge frame size
-    or frame count in a few kilobytes)."""
+    or frame count in a few kilobytes). `pix_fmt`: the encoder's (yuv420p10le: 10 bits, with libx265, libx264 and
+    libsvtav1); `full_range`: tagged full range (h264 decodes it as yuvj420p); `bt709`: tagged BT.709. `live`: a WebM
+    written as a live stream, with no duration in its header."""
     buffer = io.BytesIO()
     fmt = container or CONTAINER[codec]
-    out = av_open(buffer, fmt)
+    out = av_open(buffer, fmt, {"live": "1"} if live else None)
     stream = out.add_stream(ENCODERS[codec], rate=fps)
-    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+    stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
+    if full_range:
+        stream.codec_context.color_range = 2  # AVCOL_RANGE_JPEG
+    if bt709:
+        context = stream.codec_context
+        context.colorspace = context.color_primaries = context.color_trc = 1  # AVCOL_SPC_BT709 and its kin
     if codec in ("h264", "hevc"):
         stream.options = {"preset": "ultrafast"} | ({"x265-params": "log-level=none"} if codec == "hevc" else {})
     if times is not None:
@@ -81,10 +92,10 @@ def _encoded(buffer: io.BytesIO, out, stream, frames_in) -> bytes:
     return buffer.getvalue()
 
 
-def av_open(buffer: io.BytesIO, fmt: str):
+def av_open(buffer: io.BytesIO, fmt: str, options: dict[str, str] | None = None):
     import av
 
-    return av.open(buffer, "w", format=fmt)
+    return av.open(buffer, "w", format=fmt, options=options or {})
 
 
 def audio_only(seconds: float = 1.0) -> bytes:

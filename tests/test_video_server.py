@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import random
 import threading
@@ -212,6 +213,12 @@ def hostile_files() -> dict[str, tuple[object, int, list, str]]:
             [],
             "5000.1 s long",
         ),
+        "a 600 s webm whose header gives no length": (
+            b64(clips.clip("vp9", 16, 16, 1200, 2, flat=True, live=True)),
+            413,
+            [],
+            "longer than 60 s",
+        ),
         "a corrupt stream": (b64(bytes(corrupt)), 422, ["body", "videos", 0], "corrupt"),
         "a truncated webm": (b64(truncated_webm[: len(truncated_webm) * 6 // 10]), 422, ["body", "videos", 0], "trunc"),
         "a truncated mp4": (b64(CLIP[: len(CLIP) // 2]), 422, ["body", "videos", 0], "could not be opened"),
@@ -286,6 +293,56 @@ def test_limits_are_checked_before_decoding(monkeypatch):
     with pytest.raises(VideoError, match="decoding budget") as refused:
         videos.decode_video(CLIP, header, config, tight)
     assert refused.value.status == 413
+
+
+@pytest.mark.parametrize("seconds, live", [(70, False), (470, False), (600, True)])
+def test_the_scan_refuses_a_clip_over_the_length_limit_that_its_header_lets_by(seconds, live):
+    """The header check refuses a clip whose header gives over 8 x --max-video-seconds; one it lets by (70 s and
+    470 s with their true length in the header, 600 s in a WebM whose header gives none) is refused by the packet
+    scan, a 413 saying the clip is over the limit (not the length where the scan stopped)."""
+    import av
+
+    blob = clips.clip("vp9" if live else "h264", 16, 16, seconds * 2, 2, flat=True, live=live)
+    with av.open(io.BytesIO(blob)) as container:
+        header = container.duration / 1e6 if container.duration is not None else None
+    assert header is None if live else header == pytest.approx(seconds, abs=1)
+    with pytest.raises(VideoError) as refused:
+        videos.scan_video(blob, VideoLimits())
+    assert refused.value.status == 413
+    assert str(refused.value).startswith("the video is longer than 60 s: at most 60 s per video"), refused.value
+    half = seconds / 2  # a limit the header check lets by too (it refuses past 8 times the limit)
+    with pytest.raises(VideoError, match=f"longer than {half:g} s: at most {half:g} s"):
+        videos.scan_video(blob, VideoLimits(max_seconds=half))
+    assert videos.scan_video(blob, VideoLimits(max_seconds=seconds + 1)).seconds == pytest.approx(seconds)
+
+
+def test_the_video_limit_flags_reach_the_deciders_limits():
+    """--max-videos, --max-video-mib and --max-video-seconds, parsed by clef-serve's parser (and clef-serve
+    batch's), are the limits of the decider make_decider builds; their defaults are VideoLimits' (clef-omni's)."""
+    from app.cli.batch import build_batch_parser
+    from app.cli.engine import make_decider
+    from app.cli.flags import build_parser
+
+    defaults = build_parser().parse_args([])
+    limits = VideoLimits()
+    assert (limits.max_videos, limits.max_bytes, limits.max_seconds) == (
+        defaults.max_videos,
+        defaults.max_video_mib * 2**20,
+        defaults.max_video_seconds,
+    )
+    flags = ["--max-videos", "3", "--max-video-mib", "5", "--max-video-seconds", "12.5"]
+    batch_args = build_batch_parser().parse_args(["in.jsonl", "out.jsonl", *flags])
+    assert (batch_args.max_videos, batch_args.max_video_mib, batch_args.max_video_seconds) == (3, 5, 12.5)
+    args = build_parser().parse_args(["--w", str(tiny_release()), "--d", "cpu", *flags])
+    limits = make_decider(args).options.video_limits
+    assert (limits.max_videos, limits.max_bytes, limits.max_seconds) == (3, 5 * 2**20, 12.5)
+    with pytest.raises(VideoError, match="at most 3 videos per request"):
+        limits.check_count(4)
+    with pytest.raises(VideoError, match="at most 5 MiB per video") as refused:
+        limits.check_size(5 * 2**20 + 1)
+    assert refused.value.status == 413
+    with pytest.raises(VideoError, match="longer than 12.5 s"):
+        videos.scan_video(clips.clip("h264", 16, 16, 30, 2, flat=True), limits)  # 15 s
 
 
 def test_hostile_files_on_a_live_server_are_fast_small_and_harmless():

@@ -1,7 +1,8 @@
 """Videos in the state against Cloudflare's reference, which decodes them with torchcodec in a venv of its own
-(tests/video_oracle.py; make test's set-up builds .venv-video-oracle): the processor's arithmetic, then 52 random
-clips (every codec we take, under 4 frames' worth to past 768 frames' worth at 2 fps, odd sizes, rotation metadata,
-variable frame rates, a video beside images) answered as the reference answers them, their ids, pixels, M-RoPE
+(tests/video_oracle.py; make test's set-up builds .venv-video-oracle): the processor's arithmetic, every frame of
+clips in 15 pixel formats converted to torchcodec's RGB, then 52 random clips (every codec we take, under 4 frames'
+worth to past 768 frames' worth at 2 fps, odd sizes, rotation metadata, variable frame rates, 10-bit hevc and av1,
+full range, a video beside images) answered as the reference answers them, their ids, pixels, M-RoPE
 positions and the tower's features equal to the reference's; faults parity catches; the wire forms, the Workers AI
 route's codes, batch files, metrics and the caches; hostile files refused with a 4xx, fast and small, on a live
 server."""
@@ -9,6 +10,8 @@ server."""
 from __future__ import annotations
 
 import base64
+import io
+import os
 import random
 from functools import cache
 
@@ -68,7 +71,8 @@ def test_sampling_timestamps_and_size_equal_the_reference_processor():
 # ---- 52 random clips against the reference ------------------------------------------------------------
 def random_clip(rng: random.Random, index: int) -> tuple[str, bytes]:
     """(what it is, the clip): every codec, lengths from under 4 frames' worth to past 768 frames' worth at 2 fps
-    (two long cases), odd sizes where the codec allows them, a display rotation (mp4), a variable frame rate."""
+    (two long cases), odd sizes where the codec allows them, a display rotation (mp4), a variable frame rate, 10-bit
+    hevc and av1, full range."""
     codec = clips.CODECS_IN_ORDER[index % len(clips.CODECS_IN_ORDER)]
     odd = codec in ("vp8", "vp9", "av1") and rng.random() < 0.6
     width, height = rng.randint(20, 220), rng.randint(20, 180)
@@ -86,8 +90,88 @@ def random_clip(rng: random.Random, index: int) -> tuple[str, bytes]:
     if count < 400 and rng.random() < 0.25:  # a variable frame rate: gaps of 20 ms to 400 ms
         times = list(np.cumsum([0.0] + [rng.uniform(0.02, 0.4) for _ in range(count - 1)]))
     rotation = rng.choice([None, None, 90, -90, 180]) if codec in ("h264", "hevc") else None
-    what = f"{codec} {width}x{height} {count} frames at {'vfr' if times else fps} rotation {rotation}"
-    return what, clips.clip(codec, width, height, count, fps, seed=index, times=times, rotation=rotation)
+    # Pixel formats whose conversion to RGB differs by method (a 10-bit 4:2:0 one by up to 42 levels), chosen by
+    # index so that the draws above stay what they were: five 10-bit hevc (one of them full range), five 10-bit av1,
+    # five full-range h264.
+    pix_fmt = "yuv420p10le" if index % 10 in (6, 9) else "yuv420p"
+    full_range = index % 10 == 5 or index == 36
+    what = f"{codec} {width}x{height} {count} frames at {'vfr' if times else fps} rotation {rotation} {pix_fmt}"
+    what += " full range" if full_range else ""
+    clip = clips.clip(
+        codec,
+        width,
+        height,
+        count,
+        fps,
+        seed=index,
+        times=times,
+        rotation=rotation,
+        pix_fmt=pix_fmt,
+        full_range=full_range,
+    )
+    return what, clip
+
+
+# ---- every pixel format to RGB as torchcodec converts it ----------------------------------------------------
+# (codec, pix_fmt, full range, BT.709): 8, 10 and 12 bits, 4:2:0 to 4:4:4, planar RGB, the range and the matrix.
+PIXEL_FORMATS = [
+    ("h264", "yuv420p", False, False),
+    ("h264", "yuv420p", True, False),
+    ("h264", "yuv420p", True, True),
+    ("h264", "yuv420p10le", False, False),
+    ("h264", "yuv422p", False, False),
+    ("h264", "yuv444p", False, False),
+    ("hevc", "yuv420p10le", False, False),
+    ("hevc", "yuv420p10le", True, False),
+    ("hevc", "yuv420p10le", False, True),
+    ("hevc", "yuv420p12le", False, False),
+    ("hevc", "yuv444p10le", False, False),
+    ("hevc", "gbrp", False, False),
+    ("vp9", "yuv444p", False, False),
+    ("vp9", "yuv440p", False, False),
+    ("av1", "yuv420p10le", False, False),
+]
+TORCHCODEC_FRAMES = """
+import sys, numpy as np
+from torchcodec.decoders import VideoDecoder
+for path in sys.argv[1:]:
+    decoder = VideoDecoder(path, seek_mode="exact", num_ffmpeg_threads=0, device="cpu", dimension_order="NHWC")
+    np.save(path + ".npy", decoder.get_frames_at(indices=list(range(len(decoder)))).data.numpy())
+"""
+
+
+def test_every_pixel_format_converts_to_the_rgb_torchcodec_gives_the_reference(tmp_path):
+    """Every frame of clips in 15 pixel formats, at two widths (torchcodec converts with swscale where the width is a
+    multiple of 32, 128 here, and with a filter graph where it is not, 134), equal byte for byte to torchcodec's
+    (run as the reference runs it, on PyAV's FFmpeg). VideoFrame.reformat(rgb24, bicubic) fails this on the 10- and
+    12-bit 4:2:0 clips."""
+    import subprocess
+
+    import av
+
+    paths = []
+    for n, (codec, pix_fmt, full_range, bt709) in enumerate(PIXEL_FORMATS):
+        for width in (128, 134):
+            clip = clips.clip(codec, width, 72, 3, 10, seed=n, pix_fmt=pix_fmt, full_range=full_range, bt709=bt709)
+            path = tmp_path / f"{codec}-{pix_fmt}-{int(full_range)}{int(bt709)}-{width}.{clips.CONTAINER[codec]}"
+            path.write_bytes(clip)
+            paths.append(path)
+    done = subprocess.run(
+        [str(video_oracle.ORACLE_VENV / "bin" / "python"), "-c", TORCHCODEC_FRAMES, *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"LD_LIBRARY_PATH": video_oracle.ffmpeg_library_path()},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for path in paths:
+        to_rgb = videos._RGBConverter()
+        with av.open(str(path)) as container:
+            ours = np.stack([to_rgb(frame) for frame in container.decode(video=0)])
+        theirs = np.load(str(path) + ".npy")
+        assert ours.shape == theirs.shape, (path.name, ours.shape, theirs.shape)
+        worst = int(np.abs(ours.astype(int) - theirs.astype(int)).max())
+        assert worst == 0, f"{path.name}: up to {worst} levels from torchcodec's RGB"
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +322,21 @@ def test_rotations_turn_the_frames_as_the_reference_does(parity_run):
     assert {"90", "-90", "180", "None"} <= seen, seen
     assert any("vfr" in what for what, _ in cases) and any("with an image" in what for what, _ in cases)
     assert {what.split()[0] for what, _ in cases} == set(clips.CODECS_IN_ORDER)
+
+
+def test_the_cases_hold_10_bit_and_full_range_clips(parity_run):
+    """The clips said to be 10-bit hevc, 10-bit av1 and full range decode as such (an encoder that quietly made
+    8-bit limited-range clips would leave the parity above unproven on them)."""
+    import av
+
+    cases, _, _, _ = parity_run
+    seen = set()
+    for what, request in cases:
+        with av.open(io.BytesIO(request["videos"][0])) as container:
+            frame = next(container.decode(video=0))
+        bits = "10-bit" if frame.format.name.endswith("p10le") else "8-bit"
+        assert (bits == "10-bit") == ("yuv420p10le" in what), (what, frame.format.name)
+        assert (frame.color_range == 2) == ("full range" in what), (what, frame.color_range)
+        seen.add((what.split()[0], bits, "full" if frame.color_range == 2 else "limited"))
+    assert {("hevc", "10-bit", "limited"), ("hevc", "10-bit", "full"), ("av1", "10-bit", "limited")} <= seen, seen
+    assert ("h264", "8-bit", "full") in seen, seen

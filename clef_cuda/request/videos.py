@@ -1,9 +1,12 @@
 """Videos: bytes from a client -> the tower's inputs, frame group by frame group, exactly as the reference makes them
 (transformers' Qwen3VLVideoProcessor, its videos decoded by torchcodec in exact mode).
 
-Decoding is PyAV's (FFmpeg in its wheel, nothing else to install): its RGB frames are the ones torchcodec gives the
-reference, byte for byte, on every codec we take, when both run on the same FFmpeg (tests/test_videos.py runs the
-reference in a side venv on PyAV's FFmpeg: FFmpeg versions themselves can disagree on a file's length).
+Decoding is PyAV's (FFmpeg in its wheel, nothing else to install), converted to RGB by an FFmpeg filter graph as
+torchcodec converts (_RGBConverter): its RGB frames are the ones torchcodec gives the reference, byte for byte, when
+both run on the same FFmpeg, on every codec we take and every pixel format tests/test_videos.py checks (8, 10 and
+12 bits; 4:2:0, 4:2:2, 4:4:0, 4:4:4; planar RGB; full range; BT.709); formats beyond those go the same way,
+unchecked. The tests run the reference in a side venv on PyAV's FFmpeg: FFmpeg versions themselves can disagree on
+a file's length.
 What the reference does, step by step, and where it lives here:
 1. scan: every packet of the best video stream, demuxed, not decoded (torchcodec's exact mode): the frame count, the
    first pts, the end (max pts + duration), so the average fps = frames / (end - begin) (scan_video);
@@ -33,6 +36,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -352,8 +356,8 @@ def scan_video(data: bytes, limits: VideoLimits, declared: str | None = None) ->
                 end = stamp + packet.duration if end is None else max(end, stamp + packet.duration)
                 if len(pts) > limits.max_frames:
                     raise VideoError(f"the video has over {limits.max_frames} frames", status=413)
-                if float(end - begin) * time_base > limits.max_seconds:
-                    raise VideoError(_too_long(float((end - begin) * time_base), limits), status=413)
+                if float(end - begin) * time_base > limits.max_seconds:  # the scan stops here: how far is unknown
+                    raise VideoError(_too_long(None, limits), status=413)
         except VideoError:
             raise
         except _unreadable() as error:
@@ -375,8 +379,10 @@ def scan_video(data: bytes, limits: VideoLimits, declared: str | None = None) ->
     return VideoHeader(fmt, codec, width, height, len(pts), seconds, tuple(sorted(pts)))
 
 
-def _too_long(seconds: float, limits: VideoLimits) -> str:
-    return f"the video is {seconds:.1f} s long: at most {limits.max_seconds:g} s per video (--max-video-seconds)"
+def _too_long(seconds: float | None, limits: VideoLimits) -> str:
+    """`seconds`: the length the header gives; None: the scan passed the limit (and stopped there)."""
+    length = f"is {seconds:.1f} s long" if seconds is not None else f"is longer than {limits.max_seconds:g} s"
+    return f"the video {length}: at most {limits.max_seconds:g} s per video (--max-video-seconds)"
 
 
 @dataclass(frozen=True)
@@ -415,6 +421,7 @@ def decode_video(data: bytes, header: VideoHeader, config: VideoProcessorConfig,
         )
     mode = InterpolationMode.BICUBIC if config.resample == "bicubic" else InterpolationMode.BILINEAR
     frames: list[Tensor | None] = [None] * len(indices)
+    to_rgb = _RGBConverter()
     target = first_shape = None
     decoded = 0
     with _open(data, header.format) as container:
@@ -432,10 +439,7 @@ def decode_video(data: bytes, header: VideoHeader, config: VideoProcessorConfig,
                 k = _ROTATIONS.get(int(round(frame.rotation or 0)) % 360 if frame.rotation else 0)
                 if k is None:
                     raise VideoError(f"a video rotated by {frame.rotation} degrees (only multiples of 90)")
-                # [H, W, 3] uint8, what torchcodec gives the reference: its conversion is FFmpeg's format filter,
-                # whose scaler is bicubic; it differs from swscale's bilinear default where a side is odd (the
-                # chroma planes are then upsampled, not just copied out).
-                pixels = frame.reformat(format="rgb24", interpolation="BICUBIC").to_ndarray()
+                pixels = to_rgb(frame)
                 if k:
                     pixels = np.rot90(pixels, k=k, axes=(0, 1))
                 tensor = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1)
@@ -458,6 +462,40 @@ def decode_video(data: bytes, header: VideoHeader, config: VideoProcessorConfig,
     groups = _groups(clip, config)
     stamps = timestamps(indices, header.fps, config.temporal_patch_size)
     return PreparedVideo(tuple(groups), tuple(stamps), header.seconds, time.perf_counter() - started)
+
+
+class _RGBConverter:
+    """Decoded frames -> [H, W, 3] uint8 RGB through an FFmpeg filter graph, buffer -> format=rgb24 -> buffersink,
+    as torchcodec converts them for the reference (a filter graph where a width is not a multiple of 32, swscale
+    with the frame's colour space where it is: both give this graph's pixels). Equal to torchcodec's on every pixel
+    format we met (8, 10 and 12 bits; 4:2:0, 4:2:2, 4:4:0, 4:4:4; full range; BT.709; planar RGB), where PyAV's
+    VideoFrame.reformat(rgb24, bicubic) differs by up to 42 levels on 10- and 12-bit 4:2:0 from h264 and hevc
+    (tests/test_videos.py holds each format to torchcodec's frames). One graph a frame size and format, as
+    torchcodec keeps its own."""
+
+    def __init__(self) -> None:
+        self._graph = None
+        self._shape: tuple | None = None
+
+    def __call__(self, frame) -> Any:
+        import av
+
+        shape = (frame.width, frame.height, frame.format.name)
+        if shape != self._shape:
+            graph = av.filter.Graph()
+            source = graph.add_buffer(
+                width=frame.width,
+                height=frame.height,
+                format=frame.format,
+                time_base=frame.time_base or Fraction(1, 1000),  # the buffer's, unused by the conversion
+            )
+            convert, sink = graph.add("format", "rgb24"), graph.add("buffersink")
+            source.link_to(convert)
+            convert.link_to(sink)
+            graph.configure()
+            self._graph, self._shape = graph, shape
+        self._graph.push(frame)
+        return self._graph.pull().to_ndarray()
 
 
 def _groups(clip: Tensor, config: VideoProcessorConfig) -> list[PreparedImage]:
