@@ -212,7 +212,7 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
     metrics.observe_decision(request.state.model, result)
     request.state.result = result
     routing = {
-        "X-Clef-Prefix-Key": prefix_key(*key_material, found.images),
+        "X-Clef-Prefix-Key": prefix_key(*key_material, found.images, [video for video, _ in found.videos]),
         "X-Clef-Prefix-Cache": "hit" if result.get("x_cached_tokens", 0) > 0 else "miss",
     }
     return JSONResponse(result, headers=routing)

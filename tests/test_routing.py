@@ -29,9 +29,33 @@ PINNED = [  # (model, state, images, key): for clients in other languages to che
 ]
 
 
+PINNED_WITH_VIDEOS = [  # (model, state, images, videos, key): the videos' digests follow the images' after 0x00
+    ("clef-flash", "Camera 4, 14:02.", [], [b"\x00\x00\x00\x18ftypisom"], "c1-80b277808a7c013f2306ffc2bcb3ec21"),
+    (
+        "clef-flash",
+        {"cam": 4},
+        [b"\x89PNG"],
+        [b"\x1a\x45\xdf\xa3", b"\x00\x00\x00\x18ftypisom"],
+        "c1-db6e149347aa032b3f1add7621a1ae97",
+    ),
+]
+
+
 @pytest.mark.parametrize("model, state, images, key", PINNED)
 def test_pinned_prefix_keys(model, state, images, key):
     assert prefix_key(model, state, images) == key
+    assert prefix_key(model, state, images, []) == key  # no videos: the key of before videos were taken
+
+
+@pytest.mark.parametrize("model, state, images, videos, key", PINNED_WITH_VIDEOS)
+def test_pinned_prefix_keys_with_videos(model, state, images, videos, key):
+    assert prefix_key(model, state, images, videos) == key
+    image_digests = b"".join(hashlib.sha256(image).digest() for image in images)
+    video_digests = b"".join(hashlib.sha256(video).digest() for video in videos)
+    by_hand = hashlib.sha256(
+        model.encode() + b"\x00" + canonical_state(state) + b"\x00" + image_digests + b"\x00" + video_digests
+    )
+    assert key == "c1-" + by_hand.hexdigest()[:32]
 
 
 def test_the_key_is_exactly_the_documented_recipe():
@@ -45,12 +69,18 @@ def test_the_key_is_exactly_the_documented_recipe():
     assert canonical_state({"\uffff": 2, "\U0001f600": 1}) == '{"\U0001f600":1,"\uffff":2}'.encode()
 
 
-def test_the_key_follows_model_state_and_images_only():
+def test_the_key_follows_model_state_images_and_videos_only():
     base = prefix_key("clef-flash", {"a": 1, "b": 2})
     assert prefix_key("clef-flash", {"b": 2, "a": 1}) == base  # canonical: key order does not matter
     assert prefix_key("clef-flash", {"a": 1, "b": 3}) != base
     assert prefix_key("jev-latest", {"a": 1, "b": 2}) != base
     assert prefix_key("clef-flash", {"a": 1, "b": 2}, [b"img"]) != base
+    with_video = prefix_key("clef-flash", {"a": 1, "b": 2}, [], [b"clip"])
+    assert with_video not in (base, prefix_key("clef-flash", {"a": 1, "b": 2}, [b"clip"]))  # a video is no image
+    assert prefix_key("clef-flash", {"a": 1, "b": 2}, [], [b"other clip"]) != with_video
+    assert prefix_key("clef-flash", {"a": 1, "b": 2}, [], [b"a", b"b"]) != prefix_key(
+        "clef-flash", {"a": 1, "b": 2}, [], [b"b", b"a"]
+    )
 
 
 # ---- the server -----------------------------------------------------------------------------------------
@@ -77,6 +107,26 @@ def test_every_200_carries_the_key_and_whether_it_hit(decider):
             refused = client.post("/v1/systemone", json=body | {"questions": {}})
             assert refused.status_code == 422 and "x-clef-prefix-key" not in refused.headers
     assert keys[0] == keys[1] == prefix_key("clef-flash", STATE)
+
+
+def test_requests_differing_only_in_a_video_get_different_keys(decider):
+    """Videos sit before the state in the prompt: two requests that differ only in a video share no prefix past
+    the images, so their keys differ; each is the key prefix_key gives for its video's bytes."""
+    import base64
+
+    import clips
+
+    body = {"model": "clef-flash", "state": "Camera 4, 14:02.", "questions": {"q": {"type": "noul"}}}
+    first, second = clips.clip("h264", 64, 48, 8, 10, seed=1), clips.clip("h264", 64, 48, 8, 10, seed=2)
+    keys = []
+    with TestClient(app(decider)) as client:
+        for clip in (first, second):
+            url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
+            response = client.post("/v1/systemone", json=body | {"videos": [url]})
+            assert response.status_code == 200, response.text
+            keys.append(response.headers["x-clef-prefix-key"])
+    assert keys[0] != keys[1]
+    assert keys == [prefix_key("clef-flash", body["state"], [], [clip]) for clip in (first, second)]
 
 
 def scrape(client) -> dict[str, object]:
