@@ -15,7 +15,7 @@ How it runs:
 - Each row goes through the FastAPI app in-process (the same validation, limits, errors and answers as the
   server: a row the server would refuse is recorded with that refusal, and the run goes on). No socket.
 - The engine is kept fed: up to `max_in_flight` rows in flight (continuous batching does the rest), read
-  `read_ahead` rows ahead of the last one written. Rows with the same state (and model and images) are
+  `read_ahead` rows ahead of the last one written. Rows with the same state (and model, images and videos) are
   scheduled together: the first goes alone, the rest once it is done, so they start from its prefix-cache
   snapshot instead of prefilling the state again; other states fill the engine meanwhile.
 - Memory is bounded by `read_ahead` rows (and READ_AHEAD_BYTES of them), whatever the file's length: the
@@ -87,7 +87,7 @@ class Row:
     custom_id: str | None
     url: str
     body: bytes  # what is POSTed: the line itself, or its "body" re-encoded
-    group: bytes | None  # rows with one state, model and images share it; None: a group of its own
+    group: bytes | None  # rows with one state, model, images and videos share it; None: a group of its own
     refusal: tuple[int, dict[str, Any]] | None = None  # a wrapper this command refuses itself (a bad url)
     attempts: int = 0
     digest: str = ""  # of the line's bytes: OUTPUT's record of this row is for this very line
@@ -102,11 +102,13 @@ def _refusal(status: int, message: str) -> tuple[int, dict[str, Any]]:
 
 
 def _group_of(body: Any) -> bytes | None:
-    """What decides a prefix-cache hit between two rows: the model, the images and the state (the record puts
-    them before the questions)."""
+    """What decides a prefix-cache hit between two rows: the model, the images, the videos and the state (the
+    record puts them before the questions), the images and videos in any wire form (`images`, `videos`, or
+    `assets` of either type)."""
     if not isinstance(body, dict) or "state" not in body:
         return None
-    key = json.dumps([body.get("model"), body.get("images"), body.get("state")], sort_keys=True, default=str)
+    media = [body.get(field) for field in ("images", "videos", "assets")]
+    key = json.dumps([body.get("model"), *media, body.get("state")], sort_keys=True, default=str)
     return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
 

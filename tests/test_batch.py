@@ -132,6 +132,31 @@ def test_rows_with_one_state_start_from_the_first_ones_snapshot(decider, tmp_pat
     assert fifo.prefix_hits < summary.prefix_hits, (fifo.describe(), summary.describe())
 
 
+def test_rows_differing_only_in_a_video_or_an_asset_are_not_one_group():
+    """Videos (and assets of either type) sit before the questions in the record: rows that differ in one share
+    no prefix past it, so they are different groups (one would otherwise wait on the other's leader for a snapshot
+    it cannot use); rows that differ only in their questions are one group, in either input form."""
+
+    def group(**fields) -> bytes:
+        body = {"model": "clef-flash", "state": "Camera 4", "questions": {"q": {"type": "noul"}}} | fields
+        plain = batch.parse_row(1, json.dumps(body).encode()).group
+        wrapped = batch.parse_row(1, json.dumps({"custom_id": "x", "body": body}).encode()).group
+        assert plain == wrapped and plain is not None
+        return plain
+
+    def asset(kind: str, data: str) -> dict:
+        return {"cam": {"type": kind, "format": "mp4" if kind == "video" else "png", "data_base64": data}}
+
+    clip = "data:video/mp4;base64,AAAAGGZ0eXBpc29t"
+    assert group(videos=[clip]) == group(videos=[clip], questions={"other": {"type": "noul"}})
+    assert group(videos=[clip]) != group(videos=[clip + "AAAA"])
+    assert group(videos=[clip]) != group()
+    assert group(videos=[clip]) != group(images=[clip])
+    assert group(assets=asset("video", "AAAA")) != group(assets=asset("video", "BBBB"))
+    assert group(assets=asset("image", "AAAA")) != group(assets=asset("image", "BBBB"))
+    assert group(assets=asset("video", "AAAA")) != group()
+
+
 def test_the_scheduler_holds_a_states_rows_until_its_first_is_done():
     def row(line, group):
         return batch.Row(line, None, "/v1/systemone", b"{}", group)
