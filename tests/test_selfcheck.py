@@ -25,7 +25,7 @@ from app.server import ServerSettings, create_app
 from clef_cuda import Decider
 from clef_cuda.model.default_model import default_release
 from clef_cuda.serving.engine import Engine, EngineConfig
-from clef_cuda.verification.selfcheck import _SelfCheck, run_selfcheck
+from clef_cuda.verification.selfcheck import SelfCheckCases, run_selfcheck
 
 ROOT = Path(__file__).resolve().parents[1]
 OK = {"model": "clef-flash", "state": "Checkout fails for everyone.", "questions": {"outage": {"type": "noul"}}}
@@ -112,7 +112,7 @@ def test_the_attention_checks_guard_the_tensor_core_kernel(sim_ops, cc):
     flash = SimpleNamespace(num_attention_heads=16, num_key_value_heads=4, head_dim=256)
 
     def failing() -> set[str]:
-        checks = _SelfCheck(sim_ops, flash, torch.float16, torch.device("cpu"), 16, 0).paged_attention()
+        checks = SelfCheckCases(sim_ops, flash, torch.float16, torch.device("cpu"), 16, 0).paged_attention()
         names = {c.name for c in checks}
         assert names >= {"paged_attention.prefix+chunk", "paged_attention.decode_pack"}
         assert names >= {f"paged_attention.{k}.{case}" for k in ("simt", "wmma", "wmma2") for case in cases}

@@ -67,16 +67,16 @@ def install(candidates: str, fault: str) -> None:
 
         trial._start_on = busy
     elif fault.startswith("crash_in:"):
-        from clef_cuda.verification.selfcheck import _SelfCheck
+        from clef_cuda.verification.selfcheck import SelfCheckCases
 
-        unit, healthy_check = fault.removeprefix("crash_in:"), _SelfCheck.layer_check
+        unit, healthy_check = fault.removeprefix("crash_in:"), SelfCheckCases.layer_check
 
         def layer_check(self, name, layer_index):
             if name == unit:
                 os.kill(os.getpid(), signal.SIGSEGV)
             return healthy_check(self, name, layer_index)
 
-        _SelfCheck.layer_check = layer_check
+        SelfCheckCases.layer_check = layer_check
     elif fault:
         raise SystemExit(f"trial_faults.py: unknown {FAULT_ENV}={fault!r}")
 

@@ -367,7 +367,7 @@ def main() -> int:
         tune_delta_rule,
         tune_int8_linear,
     )
-    from clef_cuda.verification.selfcheck import _SelfCheck, op_trial_units
+    from clef_cuda.verification.selfcheck import SelfCheckCases, op_trial_units
 
     if spec.get("cpu_isa"):
         ops.set_cpu_isa(spec["cpu_isa"])
@@ -398,7 +398,7 @@ def main() -> int:
             with contextlib.suppress(Exception), announce(unit):
                 layers = layers or layer_trunk(config, dtype, device, spec["quantized"], library)
                 index = 0 if kind == LINEAR_ATTENTION else 1
-                _SelfCheck.of(layers, spec["block_size"]).layer_check(unit, index)
+                SelfCheckCases.of(layers, spec["block_size"]).layer_check(unit, index)
         del layers
         buckets = [Bucket(**b) for b in spec["buckets"]]
         tune_attention(target, buckets, spec["mode"], spec["block_size"], report, trial=announce)

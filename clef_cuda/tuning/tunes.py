@@ -495,10 +495,10 @@ def tune_delta_rule(target: TuneTarget, config, mode: str, report: AutotuneRepor
     at the model's shapes and dtype) is checked against the reference (the self-check's packs, at its
     tolerances), then the ones that pass are timed per bucket (delta_rule_buckets), each run a trial unit named
     by its kernel; a bucket runs the fastest. The CPU has one implementation: nothing to tune."""
-    from clef_cuda.verification.selfcheck import _SelfCheck
+    from clef_cuda.verification.selfcheck import SelfCheckCases
 
     op = "gated_delta_rule_chunk"
-    check = _SelfCheck(target.ops, target.config, target.dtype, target.device, 16, 0)
+    check = SelfCheckCases(target.ops, target.config, target.dtype, target.device, 16, 0)
     failures = getattr(target.ops, "failed", {}) | report.failures
     # The kernels, not the chunked one's variants (the self-check proves each): "chunked" runs the rule's.
     kernels = {k.split(":")[0] for k in check.delta_rule_kernels()}

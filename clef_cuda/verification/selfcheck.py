@@ -190,7 +190,7 @@ def run_selfcheck(trunk: Trunk, *, block_size: int = 16, seed: int = 0, layers: 
     trunk's device and dtype at its config's shapes. `block_size` is the serving KV block size. A tensor-parallel
     trunk's other ranks run theirs on their shards, their checks named "rank1.causal_conv1d_fwd.q", ...
     layers=False leaves the real layers out (scripts/gpu_sanitize_cases.py: their inputs come from cuBLAS)."""
-    check = _SelfCheck.of(trunk, block_size, seed)
+    check = SelfCheckCases.of(trunk, block_size, seed)
     started = time.perf_counter()
     results: list[Check] = []
     with torch.inference_mode(), _exact_fp32():
@@ -249,7 +249,7 @@ def op_trial_units(target, block_size: int, quantized: bool, seed: int = 0) -> l
     on `target` (clef_cuda.tuning.autotune.TuneTarget: an op library, config, device, dtype; no weights):
     what a kernel trial process runs before the server does (clef_cuda.tuning.trials). paged_attention's
     kernels are the autotune's to try."""
-    check = _SelfCheck(target.ops, target.config, target.dtype, target.device, block_size, seed)
+    check = SelfCheckCases(target.ops, target.config, target.dtype, target.device, block_size, seed)
     where = "cuda" if target.device.type == "cuda" else "cpu"
     units = [
         ("causal_conv1d_fwd", check.conv_fwd),
@@ -271,7 +271,11 @@ def op_trial_units(target, block_size: int, quantized: bool, seed: int = 0) -> l
     return [(f"{op}:{where}", run) for op, run in units] + delta_rule
 
 
-class _SelfCheck:
+class SelfCheckCases:
+    """The self-check's cases at a model's shapes and how each is judged: run_selfcheck runs them all; the autotune's
+    correctness check (clef_cuda.tuning.tunes) and the kernel trials (clef_cuda.tuning.trials) run the same ones on
+    their candidates, so what proves a kernel here is what proves it there."""
+
     def __init__(self, ops_, config, dtype, device, block_size: int, seed: int, trunk: Trunk | None = None) -> None:
         self.trunk, self.ops, self.config = trunk, ops_, config
         self.dtype, self.device, self.block_size = dtype, device, block_size
@@ -280,7 +284,7 @@ class _SelfCheck:
         self._delta_rule_case: dict | None = None
 
     @classmethod
-    def of(cls, trunk: Trunk, block_size: int = 16, seed: int = 0) -> _SelfCheck:
+    def of(cls, trunk: Trunk, block_size: int = 16, seed: int = 0) -> SelfCheckCases:
         """The checks of a loaded trunk: its op library, shapes, dtype and device, and its real layers."""
         return cls(trunk.ops, trunk.config, trunk.dtype, trunk.device, block_size, seed, trunk)
 
