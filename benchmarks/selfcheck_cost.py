@@ -8,7 +8,7 @@ which a GPU's time is estimated. Table last.
     python benchmarks/selfcheck_cost.py                  # CPU, fp32
     python benchmarks/selfcheck_cost.py --device cuda --dtype f16
     python benchmarks/selfcheck_cost.py --device cuda --dtype f16 --quantize int8 --only-flash
-    python benchmarks/selfcheck_cost.py --count --against 9e54ac2   # no GPU: its work, against a revision's
+    python benchmarks/selfcheck_cost.py --count --against 26d1e7a   # no GPU: its work, against a revision's
 
 --count runs the self-check at clef-flash's layer shapes in f16 on the CUDA simulator's kernels (a simulated H100,
 tests/cuda_sim) and counts what a GPU would pay for: our kernel launches, the torch ops the references and layers
@@ -66,7 +66,15 @@ FLASH_LAYERS = TrunkConfig(
 V100_GEMM_FLOPS, V100_BANDWIDTH = 100e12, 790e9
 # The self-check's warm cost at clef-flash's shapes in f16, measured on an H200 (benchmarks/RESULTS.md, 2026-12-04),
 # and the revision it ran: what --count scales.
-WARM_H200_S, WARM_H200_REVISION = 0.10, "9e54ac2"
+# The H200's self-check (23 checks in f16: 2026-12-04's second GPU run, RESULTS' "the gate") was this revision's.
+WARM_H200_S, WARM_H200_REVISION = 0.10, "26d1e7a"
+# Where a revision kept the self-check, newest first, and the imports of its time mapped to today's rooms (the
+# package moved into rooms on 2026-12-06: the kernel layer out of the package root, guarded ops into verification/).
+SELFCHECK_PATHS = ("clef_cuda/verification/selfcheck.py", "clef_cuda/serving/selfcheck.py")
+MOVED_IMPORTS = {
+    "from clef_cuda import ops, reference\n": "from clef_cuda.kernels import ops, reference\n",
+    "clef_cuda.serving.guarded_ops": "clef_cuda.verification.guarded_ops",
+}
 
 
 def random_trunk(config: TrunkConfig, device, dtype, quantize: str = "none") -> Trunk:
@@ -151,14 +159,18 @@ def count(against: str | None) -> int:
     trunk = random_trunk(FLASH_LAYERS, torch.device("cpu"), torch.float16).with_ops(sim_ops)
     modules = {"today": selfcheck}
     if against:
-        source = subprocess.run(
-            ["git", "show", f"{against}:clef_cuda/verification/selfcheck.py"], cwd=ROOT, capture_output=True, text=True
-        )
-        if source.returncode != 0:
+        for where in SELFCHECK_PATHS:
+            source = subprocess.run(["git", "show", f"{against}:{where}"], cwd=ROOT, capture_output=True, text=True)
+            if source.returncode == 0:
+                break
+        else:
             print(f"selfcheck_cost: --against {against}: {source.stderr.strip()}", file=sys.stderr)
             return 2
+        text = source.stdout
+        for then, now in MOVED_IMPORTS.items():
+            text = text.replace(then, now)
         path = Path(tempfile.mkdtemp(prefix="selfcheck-")) / "selfcheck_then.py"
-        path.write_text(source.stdout)
+        path.write_text(text)
         spec = importlib.util.spec_from_file_location("selfcheck_then", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its dataclasses look their module up there
