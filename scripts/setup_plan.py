@@ -37,11 +37,12 @@ class Stack:
     oldest: float  # compute capabilities the wheel carries kernels for
     newest: float
     where: str  # where it is tested
+    newest_python: tuple[int, int] | None = None  # the last Python PyPI has its wheels for (None: today's)
 
 
 STACKS = (
     Stack("2.14.1", "0.29.1", 13, 7.5, 12.1, "CI and the development machines"),
-    Stack("2.7.1", "0.22.1", 12, 6.0, 9.0, "the Dockerfile's; CI's torch-floor check"),
+    Stack("2.7.1", "0.22.1", 12, 6.0, 9.0, "the Dockerfile's; CI's torch-floor check", newest_python=(3, 13)),
 )
 DEFAULT = STACKS[0]  # a CPU box, and make test everywhere
 
@@ -131,15 +132,37 @@ def arch(capability: float) -> str:
     return f"sm_{round(capability * 10)}"
 
 
-def plan(cards: list[Card], toolkits: list[Toolkit]) -> tuple[dict[str, str] | None, str]:
+def without_a_card(toolkits: list[Toolkit], why: str) -> tuple[dict[str, str], str]:
+    """Today's torch on a machine whose card is not the point (a CPU box, make test): its CUDA kernels too where a
+    toolkit of torch's CUDA major is here (that toolkit, whatever $CUDA_HOME says), the CPU ones only where every
+    toolkit here is another major (building against it would fail on torch's CUDA check, many lines deep)."""
+    variables = _variables(DEFAULT, None, [])
+    toolkit = next((t for t in toolkits if t.major == DEFAULT.cuda_major), None)
+    if toolkit is not None:
+        return variables | {"CUDA_HOME": toolkit.home}, f"{why}; CUDA kernels too, with nvcc {toolkit.version}"
+    if toolkits and not os.environ.get("CLEF_CUDA_BUILD"):
+        found = ", ".join(f"nvcc {t.version} at {t.home}" for t in toolkits)
+        return variables | {"CLEF_CUDA_BUILD": "cpu"}, (
+            f"{why}; the CPU kernels only: the CUDA kernels of torch {DEFAULT.torch} need a CUDA "
+            f"{DEFAULT.cuda_major}.x toolkit, found {found}"
+        )
+    return variables, why
+
+
+def python_fits(stack: Stack, python: tuple[int, int]) -> bool:
+    return stack.newest_python is None or python <= stack.newest_python
+
+
+def plan(
+    cards: list[Card], toolkits: list[Toolkit], python: tuple[int, int] = sys.version_info[:2]
+) -> tuple[dict[str, str] | None, str]:
     """(the shell variables, a line saying what was chosen) or (None, the line saying what the card needs)."""
     if not cards:
-        why = "no NVIDIA GPU found: torch {} and the CPU kernels (CUDA ones too where a CUDA 13 nvcc is here)"
-        return _variables(DEFAULT, None, []), why.format(DEFAULT.torch)
+        return without_a_card(toolkits, f"no NVIDIA GPU found: torch {DEFAULT.torch} and the CPU kernels")
     capabilities = sorted({card.capability for card in cards})
     described = ", ".join(f"{card.name} ({arch(card.capability)})" for card in cards)
     for stack in STACKS:
-        if not all(stack.oldest <= c <= stack.newest for c in capabilities):
+        if not all(stack.oldest <= c <= stack.newest for c in capabilities) or not python_fits(stack, python):
             continue
         toolkit = next((t for t in toolkits if t.major == stack.cuda_major), None)
         if toolkit is not None:
@@ -147,10 +170,18 @@ def plan(cards: list[Card], toolkits: list[Toolkit]) -> tuple[dict[str, str] | N
                 f"{described}: torch {stack.torch} (CUDA {stack.cuda_major}: {stack.where}), kernels for "
                 f"{' '.join(arch(c) for c in capabilities)} with nvcc {toolkit.version} at {toolkit.home}"
             )
-    fitting = [s for s in STACKS if all(s.oldest <= c <= s.newest for c in capabilities)]
+    covering = [s for s in STACKS if all(s.oldest <= c <= s.newest for c in capabilities)]
+    fitting = [s for s in covering if python_fits(s, python)]
     found = ", ".join(f"nvcc {t.version} at {t.home}" for t in toolkits) or "no nvcc"
-    if not fitting:
+    if not covering:
         return None, f"{described}: no torch wheel covers these cards together; serve each kind on its own machine"
+    if not fitting:
+        newest = max(s.newest_python for s in covering if s.newest_python is not None)
+        older = f"python{newest[0]}.{newest[1]}"
+        return None, (
+            f"{described}: torch {covering[0].torch} has wheels up to Python {newest[0]}.{newest[1]}, this is "
+            f"{python[0]}.{python[1]}: run the set-up with an older one (make serve PYTHON={older})"
+        )
     needs = " or ".join(f"a CUDA {s.cuda_major}.x toolkit (for torch {s.torch})" for s in fitting)
     archs = ";".join(f"{c:.1f}" for c in capabilities)
     docker = f" or build the Docker image (docker build --build-arg TORCH_CUDA_ARCH_LIST={archs} -t clef-serve .)"
@@ -176,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("serve", "test"), default="serve")
     args = parser.parse_args(argv)
     if args.mode == "test":  # the suite's stack everywhere: CI's, whatever card the machine has
-        variables, why = _variables(DEFAULT, None, []), f"make test: torch {DEFAULT.torch} ({DEFAULT.where})"
+        variables, why = without_a_card(detect_toolkits(), f"make test: torch {DEFAULT.torch} ({DEFAULT.where})")
     else:
         variables, why = plan(detect_cards(), detect_toolkits())
     if variables is None:

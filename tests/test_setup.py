@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA12, CUDA13 = "12.6=/usr/local/cuda-12.6", "13.0=/usr/local/cuda"
 
 
-def setup_plan(gpu: str, nvcc: str, mode: str = "serve") -> subprocess.CompletedProcess:
-    env = os.environ | {"CLEF_SETUP_GPU": gpu, "CLEF_SETUP_NVCC": nvcc}
+def setup_plan(gpu: str, nvcc: str, mode: str = "serve", **given: str) -> subprocess.CompletedProcess:
+    """The plan for these cards and toolkits; CLEF_CUDA_BUILD only where `given` (CI exports its own)."""
+    env = {k: v for k, v in os.environ.items() if k != "CLEF_CUDA_BUILD"} | {"CLEF_SETUP_GPU": gpu}
+    env |= {"CLEF_SETUP_NVCC": nvcc} | given
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "setup_plan.py"), "--mode", mode],
         capture_output=True,
@@ -53,6 +55,37 @@ def test_each_card_gets_a_torch_with_its_kernels_and_a_toolkit_of_that_torchs_cu
 def test_a_cpu_box_gets_todays_torch_and_no_forced_cuda_build():
     chosen = assignments(setup_plan("none", "none"))
     assert chosen["TORCH_VERSION"] == "2.14.1" and "CLEF_CUDA_BUILD" not in chosen and "CUDA_HOME" not in chosen
+
+
+@pytest.mark.parametrize("mode", ["serve", "test"])
+def test_without_a_card_a_toolkit_of_another_cuda_builds_the_cpu_kernels_only(mode):
+    """torch 2.14.1 is CUDA 13's: with only a CUDA 12 nvcc here (a CPU box, or make test beside a V100's toolkit)
+    the build is the CPU one, said in the plan's line, instead of torch's CUDA mismatch many lines into the build;
+    with a CUDA 13 one among them, that one (not $CUDA_HOME's); a CLEF_CUDA_BUILD the user set is kept."""
+    only_12 = assignments(setup_plan("none", CUDA12, mode))
+    assert only_12["TORCH_VERSION"] == "2.14.1" and only_12["CLEF_CUDA_BUILD"] == "cpu"
+    assert "CPU kernels only" in only_12["SETUP_PLAN"] and "found nvcc 12.6" in only_12["SETUP_PLAN"]
+    both = assignments(setup_plan("none", f"{CUDA12};13.0=/usr/local/cuda-13.0", mode))
+    assert both["CUDA_HOME"] == "/usr/local/cuda-13.0" and "CLEF_CUDA_BUILD" not in both
+    assert "CLEF_CUDA_BUILD" not in assignments(setup_plan("none", CUDA12, mode, CLEF_CUDA_BUILD="cuda"))
+
+
+def test_a_python_newer_than_the_cards_torch_stops_with_one_line():
+    """torch 2.7.1 (Pascal, Volta) has wheels up to Python 3.13: a V100 set up with 3.14 stops naming the Python to
+    use; a card today's torch covers goes on with it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("setup_plan", ROOT / "scripts" / "setup_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    cuda12, cuda13 = module.Toolkit("12.6", "/usr/local/cuda-12.6"), module.Toolkit("13.0", "/usr/local/cuda")
+    v100, t4 = module.Card(7.0, "Tesla V100-SXM2-32GB"), module.Card(7.5, "Tesla T4")
+    variables, line = module.plan([v100], [cuda12], python=(3, 14))
+    assert variables is None and "torch 2.7.1 has wheels up to Python 3.13, this is 3.14" in line, line
+    assert "PYTHON=python3.13" in line
+    assert module.plan([v100], [cuda12], python=(3, 13))[0]["TORCH_VERSION"] == "2.7.1"
+    assert module.plan([t4], [cuda12, cuda13], python=(3, 14))[0]["TORCH_VERSION"] == "2.14.1"
 
 
 @pytest.mark.parametrize(
