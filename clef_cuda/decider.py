@@ -250,8 +250,7 @@ class Decider:
         if self.image_processor is not None:
             patches = self.image_processor.max_pixels // self.image_processor.patch_size**2
         if self.video_processor is not None:
-            video = self.video_processor
-            patches = max(patches, video.max_pixels // (video.temporal_patch_size * video.patch_size**2))
+            patches = max(patches, self.video_processor.max_input_patches)
         return patches
 
     def image_features(self, images: list[PreparedImage]) -> list[torch.Tensor]:

@@ -508,3 +508,49 @@ def test_resident_weights_are_exported_by_part():
     assert set(samples) == {"trunk", "embeddings", "vision", "head", "adapters"}
     assert samples == {**decider.weight_bytes(), "adapters": 0.0}
     assert samples["vision"] > 0  # the upstream tiny release has a tower
+
+
+@pytest.mark.parametrize("cap_pixels_per_frame", [False, True])
+def test_the_plan_sizes_the_tower_for_the_largest_frame_group_a_clip_can_make(tmp_path, cap_pixels_per_frame):
+    """A release whose video budget outgrows its image budget (4x here): the tower's step is planned for the largest
+    group of frames a clip can give, which a 2-frame clip at a large size reaches (its pixel budget over the fewest
+    frames a clip resizes for, or the per-frame cap where the release sets cap_pixels_per_frame), within 10% (the
+    resize rounds to whole 32-pixel blocks); more frames give smaller groups. The decider says the same (the engine
+    batches the tower's inputs up to Decider.tower_patches)."""
+    import json
+    import shutil
+
+    import clips
+    from releases import tiny_release
+
+    from clef_cuda import Decider
+
+    release = tmp_path / "release"
+    shutil.copytree(tiny_release(), release)
+    processor = json.loads((release / "processor_config.json").read_text())
+    image_budget = processor["image_processor"]["size"]["longest_edge"]
+    video = processor["video_processor"]
+    video["size"]["longest_edge"] = 4 * image_budget
+    video["cap_pixels_per_frame"] = cap_pixels_per_frame
+    video["max_video_tokens"] = 1024  # capped: 1,024 tokens of 32 x 32 pixels a frame, under the budget over 2
+    (release / "processor_config.json").write_text(json.dumps(processor))
+    decider = Decider.from_release(release, device="cpu", progress=False)
+    planned = plan_serving(
+        release,
+        load_release_config(release),
+        EngineConfig(kv_fraction=0.05),
+        16 * GiB,
+        dtype=torch.float32,
+        on_gpu=False,
+        where="x",
+    )
+    # The budget over 2 frames (or the cap per frame); a patch spans the group's 2 frames.
+    expected = (1024 * 32 * 32 if cap_pixels_per_frame else 4 * image_budget // 2) // 16**2
+    assert planned.image_patches == decider.tower_patches == expected > image_budget // 16**2
+    largest = {}
+    for count in (2, 3, 4):
+        blob = clips.clip("h264", 2560, 1440, count=count, fps=2, seed=count)
+        (prepared,) = decider.prepare_videos([(blob, "mp4")])
+        largest[count] = max(group.num_patches for group in prepared.groups)
+    assert expected * 0.9 <= largest[2] <= expected, (largest, expected)
+    assert largest[4] <= largest[3] <= largest[2], largest

@@ -180,6 +180,17 @@ class VideoProcessorConfig:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    @property
+    def max_input_patches(self) -> int:
+        """The most patches one input of the tower (a group of temporal_patch_size frames, each patch spanning
+        them) can have: the clip's pixel budget over the fewest frames a clip resizes for (a 2-frame clip: target_size
+        rounds the count to whole groups), capped per frame where the release asks (cap_pixels_per_frame). What the
+        memory plan sizes the tower's step for."""
+        per_frame = self.max_pixels // self.temporal_patch_size
+        if self.cap_pixels_per_frame:
+            per_frame = max(min(self.max_video_tokens * self.factor**2, per_frame), int(self.min_pixels * 1.05))
+        return per_frame // self.patch_size**2
+
 
 def load_video_processor_config(model_dir: str | Path) -> VideoProcessorConfig | None:
     """The release's video processor settings, or None when it has none (then videos are refused)."""

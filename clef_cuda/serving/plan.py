@@ -385,7 +385,7 @@ def plan_serving(
         patches = max_pixels // config.vision.patch_size**2
         video = load_video_processor_config(release)
         if video is not None:  # the tower runs a video a group of frames at a time: at most this many patches
-            patches = max(patches, video.max_pixels // (video.temporal_patch_size * video.patch_size**2))
+            patches = max(patches, video.max_input_patches)
         vision_step = vision_peak_bytes(config.vision, dtype, patches)
     features = image_feature_bytes(config.trunk, dtype, tokens) if release_vision and rank == 0 else 0
     activations = max(trunk_step, vision_step) + features
