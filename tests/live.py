@@ -73,13 +73,16 @@ class ClefServe:
     """`clef-serve ARGS --host 127.0.0.1 --p PORT` as a child process, started at once, its output kept (stdout and
     stderr, by line, in `output`). The one launcher of clef-serve for the tests and the benchmarks.
 
-    `env` adds variables. `faults`, when given, runs tests/faulty_clef_serve.py instead of `python -m app`: the
+    `env` adds variables; `port` is the port to serve on (default: a free one; a restart on the same port is the same
+    scrape target). `faults`, when given, runs tests/faulty_clef_serve.py instead of `python -m app`: the
     test-only fault hooks, picked by these variables (CLEF_TEST_FAULT "none" unless they name one; the trial process
     and the worker ranks run tests/trial_faults.py and tests/tp_worker_faults.py, healthy unless the variables name
     their faults). Nothing reaches a plain clef-serve: it reads no test hook from its environment."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, faults: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, faults: dict[str, str] | None = None, port: int = 0
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         entry = ["-m", "app"] if faults is None else [str(Path(__file__).parent / "faulty_clef_serve.py")]
         hooks = {} if faults is None else {"CLEF_TEST_FAULT": "none"} | faults
