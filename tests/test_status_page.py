@@ -1,7 +1,8 @@
 """The status page (GET /, app/static/) in a real headless Chromium (Debian's chromium and chromium-driver, driven by
 selenium): it loads with no console error and no request off the host, shows the model, readiness, the self-check's
-and the autotune's tables; its form returns the probabilities the API returns for the same request, and a 401
-without the key is shown as such. The page's headers and --no-status-page are checked in-process.
+and the autotune's tables; its form returns the probabilities the API returns for the same request, a 401
+without the key is shown as such, and the key typed in is kept in the page's memory alone (no web storage, cookie,
+IndexedDB or URL holds it after a decision). The page's headers and --no-status-page are checked in-process.
 
 CLEF_STATUS_SCREENSHOT=path writes the page's screenshot there once it shows an answer (docs/status-page.png is one)."""
 
@@ -145,6 +146,7 @@ def test_the_form_shows_the_apis_probabilities_and_a_401_without_the_key(served,
         for option, p in options.items():
             assert shown[question][option] == pytest.approx(p, abs=1e-12), (question, option)
     assert not browser.find_element("id", "decision-error").is_displayed()
+    assert_the_key_is_kept_nowhere(browser)
     screenshot = os.environ.get("CLEF_STATUS_SCREENSHOT")
     if screenshot:  # the whole page with its tables and an answer, as docs/status-page.png shows it
         browser.set_window_size(1280, browser.execute_script("return document.documentElement.scrollHeight") + 120)
@@ -152,6 +154,21 @@ def test_the_form_shows_the_apis_probabilities_and_a_401_without_the_key(served,
         browser.save_screenshot(screenshot)
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert [e for e in errors if "401" not in e["message"]] == []  # the refused fetch is the only one logged
+
+
+def assert_the_key_is_kept_nowhere(driver) -> None:
+    """The key typed into the page lives in its field alone (app/static/status.js): after a decision made with it,
+    no web storage, cookie, IndexedDB database or URL holds it."""
+    stored = driver.execute_script(
+        "const all = s => Object.fromEntries("
+        "  Array.from({length: s.length}, (_, i) => [s.key(i), s.getItem(s.key(i))]));"
+        "return {local: all(localStorage), session: all(sessionStorage), cookie: document.cookie};"
+    )
+    assert stored == {"local": {}, "session": {}, "cookie": ""}, stored
+    assert driver.get_cookies() == []
+    databases = driver.execute_async_script("indexedDB.databases().then(arguments[0], () => arguments[0](null))")
+    assert databases == [], databases
+    assert KEY not in driver.current_url
 
 
 def test_the_page_is_served_with_a_strict_policy_and_can_be_turned_off():
