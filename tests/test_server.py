@@ -309,6 +309,42 @@ def test_identical_records_reuse_the_schema_too(decider):
         engine.stop(10)
 
 
+def test_a_stop_while_the_engine_starts_waits_for_its_thread(decider, monkeypatch):
+    """A shutdown can reach the engine while the lifecycle is starting it (CI once stopped a server whose load had
+    just finished): stop() must find no thread or a started one, never one created and not yet started (join
+    raises on it). The thread's start is held here until stop() has been called."""
+    from clef_cuda.serving import engine as engine_module
+
+    starting, release, Thread = threading.Event(), threading.Event(), threading.Thread
+
+    class SlowStart(Thread):
+        def start(self) -> None:
+            starting.set()
+            release.wait(10)
+            super().start()
+
+    engine = make_engine(decider)
+    monkeypatch.setattr(engine_module.threading, "Thread", SlowStart)  # the module's: this test's threads are Thread
+    starter = Thread(target=engine.start)
+    starter.start()
+    assert starting.wait(10)
+    errors = []
+
+    def stop() -> None:
+        try:
+            engine.stop(10)
+        except Exception as error:  # what the test looks for
+            errors.append(error)
+
+    stopper = Thread(target=stop)
+    stopper.start()
+    stopper.join(0.3)  # stop() is under way (or already failed) while the thread is not started
+    release.set()
+    starter.join(10)
+    stopper.join(10)
+    assert not errors and not stopper.is_alive() and not engine._thread.is_alive()
+
+
 def test_prefix_cache_evicts_under_pressure_and_counters_return_to_baseline(decider):
     engine = make_engine(decider, max_snapshots=3)
     engine.start()

@@ -417,13 +417,16 @@ class Engine:
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the scheduler thread; a second call is a no-op (one thread owns the model: two would step the
-        same sequences; an ASGI client that runs the app's lifespan again calls this again)."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        if self.config.selfcheck_interval:
-            self._next_selfcheck = time.monotonic() + self.config.selfcheck_interval
-        self._thread = threading.Thread(target=self._loop, name="clef-engine", daemon=True)
-        self._thread.start()
+        same sequences; an ASGI client that runs the app's lifespan again calls this again). Under the lock, so a
+        stop() from another thread (a shutdown while the lifecycle starts the engine) sees no thread or a started
+        one."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            if self.config.selfcheck_interval:
+                self._next_selfcheck = time.monotonic() + self.config.selfcheck_interval
+            self._thread = threading.Thread(target=self._loop, name="clef-engine", daemon=True)
+            self._thread.start()  # it waits for the lock, released below
 
     def drain(self) -> None:
         """Stop taking new requests; queued and running ones still finish."""
@@ -436,8 +439,9 @@ class Engine:
         with self._lock:
             self._stop = True
             self._lock.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
         self._head_thread.shutdown(wait=True)
         peers = self.decider.trunk.peers
         if peers is not None:  # the tensor-parallel workers go once the last step is done
