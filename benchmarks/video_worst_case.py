@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -53,29 +52,19 @@ def corrupted(blob: bytes, start: float = 0.85, end: float = 0.90) -> bytes:
 def timed(decider, blob: bytes) -> tuple[str, float, float]:
     """(outcome, seconds, MiB of resident memory above the start) of one prepare_videos."""
     import psutil
+    from live import resident_growth
 
     from clef_cuda.request.videos import VideoError
 
-    process = psutil.Process()
-    baseline, peak, stop = process.memory_info().rss, [0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            time.sleep(0.01)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    started = time.perf_counter()
-    try:
-        (video,) = decider.prepare_videos([(blob, "mp4")])
-        outcome = f"decided: {len(video.groups)} frame groups"
-    except VideoError as error:
-        outcome = f"{error.status}: {str(error)[:60]}"
-    seconds = time.perf_counter() - started
-    stop.set()
-    sampler.join()
-    return outcome, seconds, (max(peak[0], process.memory_info().rss) - baseline) / 2**20
+    with resident_growth(psutil.Process()) as grown:
+        started = time.perf_counter()
+        try:
+            (video,) = decider.prepare_videos([(blob, "mp4")])
+            outcome = f"decided: {len(video.groups)} frame groups"
+        except VideoError as error:
+            outcome = f"{error.status}: {str(error)[:60]}"
+        seconds = time.perf_counter() - started
+    return outcome, seconds, grown[0]
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -61,6 +61,27 @@ class GatedEngine(Engine):
     def _admit(self):
         self.gate.wait(60)
         super()._admit()
+
+
+@contextlib.contextmanager
+def resident_growth(process: psutil.Process, every: float = 0.01) -> Iterator[list[float]]:
+    """MiB of `process`'s resident memory above its level on entry at its peak while the block runs, sampled every
+    `every` seconds: the yielded list's one value, set on exit."""
+    baseline, peak, stop, grown = process.memory_info().rss, [0], threading.Event(), [0.0]
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(every)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield grown
+    finally:
+        stop.set()
+        sampler.join()
+        grown[0] = (max(peak[0], process.memory_info().rss) - baseline) / 2**20
 
 
 def free_port() -> int:

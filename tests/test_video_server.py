@@ -11,7 +11,6 @@ import base64
 import io
 import json
 import random
-import threading
 import time
 
 import clips
@@ -350,7 +349,7 @@ def test_hostile_files_on_a_live_server_are_fast_small_and_harmless():
     more than 512 MB above its level before (sampled every 10 ms), and a real clip answered afterwards. A 4K clip
     (inside the limits) is decoded frame by frame: answered, within the same memory."""
     import psutil
-    from live import clef_serve_process
+    from live import clef_serve_process, resident_growth
 
     cases = hostile_files() | {
         "a 4K clip, 40 frames": (b64(clips.clip("h264", 3840, 2160, 40, 8, flat=True)), 200, [], "")
@@ -359,21 +358,11 @@ def test_hostile_files_on_a_live_server_are_fast_small_and_harmless():
         assert httpx.post(url + "/v1/systemone", json=body(videos=[b64(CLIP)]), timeout=60).status_code == 200
         server = psutil.Process(process.pid)
         for name, (entry, status, _, _) in cases.items():
-            baseline, peak, stop = server.memory_info().rss, [0], threading.Event()
-
-            def sample(peak=peak, stop=stop):
-                while not stop.is_set():
-                    peak[0] = max(peak[0], server.memory_info().rss)
-                    time.sleep(0.01)
-
-            sampler = threading.Thread(target=sample, daemon=True)
-            sampler.start()
-            started = time.monotonic()
-            response = httpx.post(url + "/v1/systemone", json=body(videos=[entry]), timeout=60)
-            took = time.monotonic() - started
-            stop.set()
-            sampler.join()
-            growth = (max(peak[0], server.memory_info().rss) - baseline) / 2**20
+            with resident_growth(server) as grown:
+                started = time.monotonic()
+                response = httpx.post(url + "/v1/systemone", json=body(videos=[entry]), timeout=60)
+                took = time.monotonic() - started
+            growth = grown[0]
             print(f"{name}: {response.status_code} in {took:.2f} s, +{growth:.0f} MiB")
             assert response.status_code == status, (name, response.text)
             assert took < 5.0, (name, took)
