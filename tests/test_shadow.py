@@ -514,9 +514,14 @@ def test_enforcement_is_in_proportion_a_probability_just_past_its_tolerance_is_m
     record = SimpleNamespace(questions=[], num_tokens=10)
     sample = SimpleNamespace(request_id="r", record=record, adapter=None, request={"questions": {}}, served=[])
 
+    handed_on: dict[int, list[str]] = {}  # by verifier: the reasons of the mismatches it handed on
+
     def verdict(verifier, dp, layers=()):
+        """The stats after one verdict, and the reason of the latest mismatch handed on (None: none yet)."""
+        reasons = handed_on.setdefault(id(verifier), [])
+        verifier.on_mismatch = lambda count, reason: reasons.append(reason)
         verifier._judge(ShadowResult(sample, [], dp, "q", list(layers)))
-        return verifier.stats, verifier.last_reason
+        return verifier.stats, reasons[-1] if reasons else None
 
     verifier = ShadowVerifier(ShadowConfig(rate=1.0), torch.float32, lambda adapter: None, depth=4)
     tolerance = verifier.tolerance

@@ -594,7 +594,6 @@ class ShadowVerifier:
         # Told each mismatch counted (how many so far, and why: the first difference of this one); the lifecycle's
         # (clef_cuda.lifecycle.Lifecycle.shadow_mismatch) applies --shadow-mode and --shadow-max-mismatches.
         self.on_mismatch: Callable[[int, str], None] | None = None
-        self.last_reason: str | None = None  # the latest mismatch's
         self._admitted = 0
         self._lock = threading.Lock()
         self._waiting: deque[ShadowSample] = deque()
@@ -834,11 +833,11 @@ class ShadowVerifier:
             banner,
             extra={"request_id": result.sample.request_id},
         )
-        self.last_reason = (
+        reason = (
             f"shadow verification failed: {s.mismatch} served record(s) differed from the reference ops "
             f"(request {result.sample.request_id}: first at {where}, error {error:.3g} > {tolerance:.3g}; max "
             f"|dp| {result.max_abs_error:.3g}, question {result.worst_question!r})"
         )
         if self.on_mismatch is not None:
-            self.on_mismatch(s.mismatch, self.last_reason)
+            self.on_mismatch(s.mismatch, reason)
         return "mismatch"
