@@ -79,24 +79,31 @@ else
 
   # Debian packages the tests drive, installed where this machine lets us (root or sudo with apt-get, as on the
   # dev machines and CI); said otherwise, naming the tests that will fail.
+  apt_packages=(haproxy prometheus chromium chromium-driver)
   apt_missing=()
   command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || apt_missing+=(haproxy)
   command -v promtool >/dev/null && command -v prometheus >/dev/null || apt_missing+=(prometheus)
   command -v chromium >/dev/null || apt_missing+=(chromium)
   command -v chromedriver >/dev/null || apt_missing+=(chromium-driver)
+  apt_line="apt-get install -y -q --no-install-recommends"
   if [ ${#apt_missing[@]} -gt 0 ]; then
     why="the affinity test (haproxy), the alert rules' tests (prometheus), the status page's browser test (chromium)"
     sudo=$([ "$(id -u)" = 0 ] && echo "" || { command -v sudo >/dev/null && echo sudo; } || echo none)
     if [ "$sudo" != none ] && command -v apt-get >/dev/null; then
       echo "== installing ${apt_missing[*]} (Debian) for $why"
       export DEBIAN_FRONTEND=noninteractive
-      run $sudo apt-get install -y -q --no-install-recommends "${apt_missing[@]}" >/dev/null \
-        || { run $sudo apt-get update -q >/dev/null \
-             && run $sudo apt-get install -y -q --no-install-recommends "${apt_missing[@]}" >/dev/null; } \
-        || echo "WARNING: installing ${apt_missing[*]} failed: $why will fail"
+      if [ "$DRY_RUN" = 1 ]; then
+        echo "would run: $sudo $apt_line ${apt_missing[*]} (after apt-get update if that fails)"
+      else
+        $sudo $apt_line "${apt_missing[@]}" >/dev/null \
+          || { $sudo apt-get update -q >/dev/null && $sudo $apt_line "${apt_missing[@]}" >/dev/null; } \
+          || echo "WARNING: installing ${apt_missing[*]} failed: $why will fail"
+      fi
     else
       echo "WARNING: ${apt_missing[*]} not installed and cannot be installed here (no apt-get, or not root): $why will fail"
     fi
+  elif [ "$DRY_RUN" = 1 ]; then
+    echo "== Debian packages ${apt_packages[*]}: already installed (a fresh machine runs: $apt_line ${apt_packages[*]})"
   fi
   # The reference decodes videos with torchcodec only, which must stay out of this venv (it would change how the
   # reference decodes images): the video oracle (tests/video_oracle.py) runs in a venv of its own holding torchcodec

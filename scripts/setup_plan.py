@@ -132,21 +132,33 @@ def arch(capability: float) -> str:
     return f"sm_{round(capability * 10)}"
 
 
-def without_a_card(toolkits: list[Toolkit], why: str) -> tuple[dict[str, str], str]:
-    """Today's torch on a machine whose card is not the point (a CPU box, make test): its CUDA kernels too where a
-    toolkit of torch's CUDA major is here (that toolkit, whatever $CUDA_HOME says), the CPU ones only where every
-    toolkit here is another major (building against it would fail on torch's CUDA check, many lines deep)."""
+def without_a_card(toolkits: list[Toolkit], why: str, cuda_kernels: bool) -> tuple[dict[str, str], str]:
+    """Today's torch on a machine whose card is not the point (a CPU box, make test), with the CPU kernels, and the
+    CUDA kernels too where `cuda_kernels` (make test, whose compile of every kernel CI relies on; make serve only
+    when the user asks with CLEF_CUDA_BUILD=cuda) and a toolkit of torch's CUDA major is here (that toolkit, whatever
+    $CUDA_HOME says). Building against a toolkit of another major would fail on torch's CUDA check, many lines
+    deep: the CPU kernels only, said. A CLEF_CUDA_BUILD=cpu the user set is kept and said."""
     variables = _variables(DEFAULT, None, [])
+    requested = os.environ.get("CLEF_CUDA_BUILD")
+    if requested == "cpu":
+        return variables, f"{why}; the CPU kernels only (CLEF_CUDA_BUILD=cpu)"
     toolkit = next((t for t in toolkits if t.major == DEFAULT.cuda_major), None)
-    if toolkit is not None:
+    if toolkit is not None and (cuda_kernels or requested == "cuda"):
         return variables | {"CUDA_HOME": toolkit.home}, f"{why}; CUDA kernels too, with nvcc {toolkit.version}"
-    if toolkits and not os.environ.get("CLEF_CUDA_BUILD"):
+    if requested:  # cuda, auto: the build says what it finds
+        return variables, why
+    if toolkit is not None:  # make serve on a machine with no card: kernels it cannot run cost minutes to compile
+        return variables | {"CLEF_CUDA_BUILD": "cpu"}, (
+            f"{why}; the CPU kernels only, no card to run CUDA ones on (to build them too, for a card added later: "
+            "CLEF_CUDA_BUILD=cuda make serve)"
+        )
+    if toolkits:
         found = ", ".join(f"nvcc {t.version} at {t.home}" for t in toolkits)
         return variables | {"CLEF_CUDA_BUILD": "cpu"}, (
             f"{why}; the CPU kernels only: the CUDA kernels of torch {DEFAULT.torch} need a CUDA "
             f"{DEFAULT.cuda_major}.x toolkit, found {found}"
         )
-    return variables, why
+    return variables | {"CLEF_CUDA_BUILD": "cpu"}, f"{why}; the CPU kernels only (no nvcc here)"
 
 
 def python_fits(stack: Stack, python: tuple[int, int]) -> bool:
@@ -158,7 +170,9 @@ def plan(
 ) -> tuple[dict[str, str] | None, str]:
     """(the shell variables, a line saying what was chosen) or (None, the line saying what the card needs)."""
     if not cards:
-        return without_a_card(toolkits, f"no NVIDIA GPU found: torch {DEFAULT.torch} and the CPU kernels")
+        return without_a_card(toolkits, f"no NVIDIA GPU found: torch {DEFAULT.torch}", cuda_kernels=False)
+    if os.environ.get("CLEF_CUDA_BUILD") == "cpu":  # the user's choice, on any card
+        return _variables(DEFAULT, None, []), f"torch {DEFAULT.torch}, the CPU kernels only (CLEF_CUDA_BUILD=cpu)"
     capabilities = sorted({card.capability for card in cards})
     described = ", ".join(f"{card.name} ({arch(card.capability)})" for card in cards)
     for stack in STACKS:
@@ -207,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("serve", "test"), default="serve")
     args = parser.parse_args(argv)
     if args.mode == "test":  # the suite's stack everywhere: CI's, whatever card the machine has
-        variables, why = without_a_card(detect_toolkits(), f"make test: torch {DEFAULT.torch} ({DEFAULT.where})")
+        variables, why = without_a_card(
+            detect_toolkits(), f"make test: torch {DEFAULT.torch} ({DEFAULT.where})", cuda_kernels=True
+        )
     else:
         variables, why = plan(detect_cards(), detect_toolkits())
     if variables is None:

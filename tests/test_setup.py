@@ -52,20 +52,46 @@ def test_each_card_gets_a_torch_with_its_kernels_and_a_toolkit_of_that_torchs_cu
     assert chosen["CLEF_CUDA_BUILD"] == "cuda" and chosen["TORCHVISION_VERSION"]
 
 
-def test_a_cpu_box_gets_todays_torch_and_no_forced_cuda_build():
+def test_a_cpu_box_gets_todays_torch_and_the_cpu_kernels():
     chosen = assignments(setup_plan("none", "none"))
-    assert chosen["TORCH_VERSION"] == "2.14.1" and "CLEF_CUDA_BUILD" not in chosen and "CUDA_HOME" not in chosen
+    assert chosen["TORCH_VERSION"] == "2.14.1" and chosen["CLEF_CUDA_BUILD"] == "cpu" and "CUDA_HOME" not in chosen
+
+
+def test_make_serve_without_a_card_builds_no_cuda_kernels_and_says_how_to_add_them():
+    """A CPU box with a CUDA 13 nvcc on it: make serve spent 340 s of 403 compiling kernels for cards it does not
+    have. Now the CPU kernels only, and the plan's line says how to build the CUDA ones too (which is kept)."""
+    chosen = assignments(setup_plan("none", CUDA13))
+    assert chosen["CLEF_CUDA_BUILD"] == "cpu" and "CUDA_HOME" not in chosen
+    assert "CPU kernels only" in chosen["SETUP_PLAN"] and "CLEF_CUDA_BUILD=cuda make serve" in chosen["SETUP_PLAN"]
+    asked = assignments(setup_plan("none", CUDA13, CLEF_CUDA_BUILD="cuda"))
+    assert asked["CUDA_HOME"] == "/usr/local/cuda" and "CUDA kernels too" in asked["SETUP_PLAN"]
+    assert "CLEF_CUDA_BUILD" not in asked  # the user's cuda stays in the environment
+
+
+def test_make_test_without_a_card_builds_the_cuda_kernels_where_a_toolkit_of_torchs_cuda_is_here():
+    chosen = assignments(setup_plan("none", CUDA13, "test"))
+    assert chosen["CUDA_HOME"] == "/usr/local/cuda" and "CLEF_CUDA_BUILD" not in chosen
+    assert "CUDA kernels too, with nvcc 13.0" in chosen["SETUP_PLAN"]
+
+
+@pytest.mark.parametrize("mode", ["serve", "test"])
+@pytest.mark.parametrize("gpu", ["none", "7.5 Tesla T4"])
+def test_clef_cuda_build_cpu_is_kept_and_the_plan_says_cpu_kernels_only(mode, gpu):
+    chosen = assignments(setup_plan(gpu, CUDA13, mode, CLEF_CUDA_BUILD="cpu"))
+    assert "CUDA_HOME" not in chosen and "CLEF_CUDA_BUILD" not in chosen and "TORCH_CUDA_ARCH_LIST" not in chosen
+    assert "CPU kernels only (CLEF_CUDA_BUILD=cpu)" in chosen["SETUP_PLAN"] and "CUDA kernels" not in chosen["SETUP_PLAN"]
 
 
 @pytest.mark.parametrize("mode", ["serve", "test"])
 def test_without_a_card_a_toolkit_of_another_cuda_builds_the_cpu_kernels_only(mode):
     """torch 2.14.1 is CUDA 13's: with only a CUDA 12 nvcc here (a CPU box, or make test beside a V100's toolkit)
     the build is the CPU one, said in the plan's line, instead of torch's CUDA mismatch many lines into the build;
-    with a CUDA 13 one among them, that one (not $CUDA_HOME's); a CLEF_CUDA_BUILD the user set is kept."""
+    make test with a CUDA 13 one among them uses that one (not $CUDA_HOME's); a CLEF_CUDA_BUILD the user set is
+    kept."""
     only_12 = assignments(setup_plan("none", CUDA12, mode))
     assert only_12["TORCH_VERSION"] == "2.14.1" and only_12["CLEF_CUDA_BUILD"] == "cpu"
     assert "CPU kernels only" in only_12["SETUP_PLAN"] and "found nvcc 12.6" in only_12["SETUP_PLAN"]
-    both = assignments(setup_plan("none", f"{CUDA12};13.0=/usr/local/cuda-13.0", mode))
+    both = assignments(setup_plan("none", f"{CUDA12};13.0=/usr/local/cuda-13.0", "test"))
     assert both["CUDA_HOME"] == "/usr/local/cuda-13.0" and "CLEF_CUDA_BUILD" not in both
     assert "CLEF_CUDA_BUILD" not in assignments(setup_plan("none", CUDA12, mode, CLEF_CUDA_BUILD="cuda"))
 
@@ -142,6 +168,9 @@ def test_make_test_installs_the_test_tooling(tmp_path):
     result = dry_run("test", tmp_path, "none", "none")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "-r requirements-dev.txt" in result.stdout and "clef-finetune==0.1.0" in result.stdout
+    # the Debian packages: the line that installs the missing ones, or, all present, the one a fresh machine runs
+    (apt,) = [line for line in result.stdout.splitlines() if "apt-get install" in line]
+    assert {"haproxy", "prometheus", "chromium", "chromium-driver"} <= set(apt.replace(")", " ").split()), apt
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -166,3 +195,78 @@ def test_the_servers_pins_are_the_tests_and_cover_the_packages_dependencies():
         sys.path.remove(str(ROOT))
     dependencies = {re.split(r"[=<>\[ ]", d, maxsplit=1)[0].lower() for d in setup.DEPENDENCIES}
     assert dependencies - {"torchvision"} <= set(serve), dependencies - set(serve)
+
+
+def _imported_top_level_modules(*rooms: str) -> dict[str, set[str]]:
+    """Every module name imported anywhere in these folders (module- and function-level), its top level -> files."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for room in rooms:
+        for path in (ROOT / room).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                for name in names:
+                    found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def _with_what_they_require(distributions: set[str]) -> set[str]:
+    """The distributions and everything they require unconditionally (no extra, no marker that is false here)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    seen, todo = set(), [d.lower() for d in distributions]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name.lower().replace("_", "-"))
+    return seen
+
+
+def test_every_module_the_server_imports_is_a_declared_dependency():
+    """clef-serve batch died with ModuleNotFoundError: httpx where make serve had installed (only the test venv had
+    it): every third-party import in app/ and clef_cuda/ comes from setup.py's DEPENDENCIES (so also the image's
+    pip install . and requirements-serve.txt, which the test above holds to them), from what they require, from
+    torch, or from an optional extra (the [otel] traces). scripts/serve_install_check.sh runs the commands in a venv
+    of the serve set-up alone."""
+    from importlib import metadata
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        import setup
+    finally:
+        sys.path.remove(str(ROOT))
+    project = tomllib_load(ROOT / "pyproject.toml")["project"]
+    declared = {re.split(r"[=<>\[ ]", d, maxsplit=1)[0].lower() for d in setup.DEPENDENCIES} | {"torch"}
+    extras = {re.split(r"[=<>\[ ]", d, maxsplit=1)[0].lower() for d in project["optional-dependencies"]["otel"]}
+    allowed = _with_what_they_require(declared) | _with_what_they_require(extras)
+    distributions = metadata.packages_distributions()
+    undeclared = {}
+    for module, files in _imported_top_level_modules("app", "clef_cuda").items():
+        if module in sys.stdlib_module_names or module in ("app", "clef_cuda"):
+            continue
+        owners = {d.lower().replace("_", "-") for d in distributions.get(module, [module])}
+        if not owners & allowed:
+            undeclared[module] = sorted(files)
+    assert not undeclared, f"imported but not a declared dependency: {undeclared}"
+
+
+def tomllib_load(path: Path) -> dict:
+    import tomllib
+
+    return tomllib.loads(path.read_text())
