@@ -41,6 +41,7 @@ DEPENDENCIES = [
     "python-multipart",  # the SDK's image uploads (multipart/form-data)
     "rfc8785",  # canonical JSON of the state in the routing prefix key (X-Clef-Prefix-Key)
     "av",  # videos: PyAV, FFmpeg in its wheel
+    "httpx",  # clef-serve batch drives the app in-process through httpx's ASGI transport
 ]
 
 
