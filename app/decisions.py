@@ -219,16 +219,14 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
 
 
 async def _wait(request: Request, context: ServerContext, engine, ticket) -> dict[str, Any]:
-    """The ticket's answer; the client's disconnect or the request timeout cancels it; what a failed step means to
-    this request as the contract's error."""
+    """The ticket's answer; the client's disconnect (499) or the request timeout (503 timeout) cancels it; what a
+    failed step means to this request as the contract's error. The wait's own refusals are raised outside the
+    step's mapping below, which would make them a 500 internal_error logged as a failed request."""
     settings = context.settings
     future = asyncio.wrap_future(ticket.future)
     deadline = time.monotonic() + settings.request_timeout
     try:
-        while True:
-            done, _ = await asyncio.wait({future}, timeout=settings.disconnect_poll_seconds)
-            if done:
-                return future.result()
+        while not (await asyncio.wait({future}, timeout=settings.disconnect_poll_seconds))[0]:
             if await request.is_disconnected():
                 engine.cancel(ticket)  # frees its slot and blocks at the next step
                 raise ClientError(499, "client_closed_request", "the client disconnected")
@@ -237,12 +235,14 @@ async def _wait(request: Request, context: ServerContext, engine, ticket) -> dic
                 raise ClientError(
                     503,
                     "timeout",
-                    f"no answer within {settings.request_timeout:.0f} s",
+                    f"no answer within {settings.request_timeout:g} s (--request-timeout)",
                     {"Retry-After": RETRY_AFTER_SECONDS},
                 )
     except asyncio.CancelledError:
         engine.cancel(ticket)
         raise
+    try:
+        return future.result()
     except NumericalOverflowError as error:
         log.error("numerical overflow: %s", error)
         raise ClientError(500, "internal_error", str(error)) from error

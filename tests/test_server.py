@@ -13,7 +13,7 @@ import httpx
 import pytest
 import zstandard
 from fastapi.testclient import TestClient
-from live import GatedEngine
+from live import GatedEngine, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from random_requests import random_request
 from releases import tiny_release
@@ -231,6 +231,57 @@ def test_not_ready_and_queue_full_are_503_with_retry_after(decider):
         assert response.headers["retry-after"] == "1"
         engine.gate.set()
         assert first.future.result(60)["answers"]["outage"]["type"] == "noul"
+
+
+def _failure_lines(caplog) -> list[str]:
+    """The error lines of the server's own logger: a request the server failed ('request ... failed')."""
+    return [r.getMessage() for r in caplog.records if r.name == "clef_serve" and r.levelname == "ERROR"]
+
+
+def test_a_request_timeout_is_a_503_timeout_not_a_failed_request(decider, caplog):
+    """--request-timeout passed while the record waits: the contract's 503 timeout with Retry-After, logged as a
+    503 decision and not as a failed request (the wait's own ClientError was caught by its step mapping and became
+    a 500 internal_error 'request ... failed'); the cancelled ticket leaves the engine idle."""
+    engine = GatedEngine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.05))
+    app = create_app(ServerSettings(request_timeout=0.3), engine=engine, warm_up=False)
+    with caplog.at_level("INFO"), TestClient(app) as c:
+        response = c.post("/v1/systemone", json=OK)
+        assert_error(response, 503, "timeout")
+        assert response.headers["retry-after"] == "1" and "--request-timeout" in response.json()["detail"]["message"]
+        engine.gate.set()
+        wait_until(lambda: engine.queue_depth == 0 and engine.running == 0, "the cancelled request to go")
+        assert c.post("/v1/systemone", json=OK).status_code == 200  # it serves on
+    assert not _failure_lines(caplog), _failure_lines(caplog)
+    decisions = [r.getMessage() for r in caplog.records if r.name == "clef_serve.requests"]
+    assert any("status=503" in line and "error_type=timeout" in line for line in decisions), decisions
+
+
+def test_a_client_gone_mid_wait_is_a_499_not_a_failed_request(decider, caplog):
+    """The disconnect path of the same wait: 499 client_closed_request, no failure line (it was a 500 too)."""
+    from app import decisions
+    from app.context import context_of
+    from app.intake import ClientError
+
+    engine = GatedEngine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.05))
+    app = create_app(ServerSettings(), engine=engine, warm_up=False)
+
+    class Gone:
+        app = None
+        state = type("State", (), {"request_id": "req-gone"})()
+
+        async def is_disconnected(self) -> bool:
+            return True
+
+    with caplog.at_level("INFO"), TestClient(app):
+        gone = Gone()
+        gone.app = app
+        ticket = engine.submit(OK)
+        with pytest.raises(ClientError) as raised:
+            asyncio.run(decisions._wait(gone, context_of(gone), engine, ticket))
+        assert (raised.value.status, raised.value.error_type) == (499, "client_closed_request")
+        engine.gate.set()
+        wait_until(lambda: engine.queue_depth == 0 and engine.running == 0, "the cancelled request to go")
+    assert not _failure_lines(caplog), _failure_lines(caplog)
 
 
 # ---- concurrency, exactness, cleanup -------------------------------------------------------------
