@@ -90,6 +90,9 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--client-special-tokens", "raw"], "--client-special-tokens"),
         (["--max-json-depth", "0"], "--max-json-depth"),
         (["--selfcheck-only", "--selfcheck", "off"], "--selfcheck-only"),
+        (["--p", "8080x"], "--p/--port: must be a TCP port, an integer from 1 to 65535, got '8080x'"),
+        (["--p", "70000"], "--p/--port: must be a TCP port, an integer from 1 to 65535, got 70000"),
+        (["--request-timeout", "soon"], "--request-timeout: must be a number of seconds, got 'soon'"),
     ],
 )
 def test_bad_flags_are_one_line_errors_with_exit_2(args, words):
@@ -97,6 +100,28 @@ def test_bad_flags_are_one_line_errors_with_exit_2(args, words):
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], done.stderr
+
+
+def test_every_typed_flag_says_what_it_takes_for_a_value_it_cannot_read(capsys):
+    """argparse names the type's function for a ValueError ('invalid _positive_int value: 8080x'): every flag with a
+    value type says what it takes instead, in clef-serve and clef-serve batch (each given 'x')."""
+    from app.cli.batch import build_batch_parser
+    from app.cli.flags import build_parser
+
+    for parser, files in ((build_parser(), []), (build_batch_parser(), ["in.jsonl", "out.jsonl"])):
+        typed = [a for a in parser._actions if a.option_strings and a.type is not None]
+        assert len(typed) > 20
+        for action in typed:
+            with pytest.raises(SystemExit) as exited:
+                parser.parse_args([*files, action.option_strings[0], "x"])
+            error = capsys.readouterr().err
+            assert exited.value.code == 2 and "invalid" not in error, error
+            assert "must be" in error or "expected" in error, error
+
+
+def test_help_names_the_batch_command():
+    done = _cli("--help")
+    assert done.returncode == 0 and "clef-serve batch INPUT.jsonl OUTPUT.jsonl" in done.stdout, done.stdout[-400:]
 
 
 def test_bad_model_directory_is_a_one_line_error(tmp_path):

@@ -19,6 +19,7 @@ def build_batch_parser() -> argparse.ArgumentParser:
         "clef-serve batch",
         "Score a file of System One requests (JSON lines) into OUTPUT, in input order, with the serving flags' "
         "model and engine; a rerun resumes.",
+        epilog="Exit codes: 0 every row answered or refused, 1 some failed, 2 a bad flag or file, 130 interrupted.",
     )
     batch_flags = parser.add_argument_group("batch: the files and how the engine is fed (docs/clients.md)")
     batch_flags.add_argument(

@@ -45,29 +45,60 @@ class _HelpWithDefaults(argparse.HelpFormatter):
         return f"{text} (default: {'none' if action.default in (None, []) else '%(default)s'})"
 
 
+def _number(text: str, kind: type, what: str):
+    """text as `kind`, or the one line saying what the flag takes (argparse's own says 'invalid _positive_int
+    value')."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _number(text, int, "a positive integer")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
+def _port(text: str) -> int:
+    value = _number(text, int, "a TCP port, an integer from 1 to 65535")
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, an integer from 1 to 65535, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = _number(text, float, "a number of seconds")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _seconds_or_zero(text: str) -> float:
+    """0 allowed: a drain that waits for nothing."""
+    value = _number(text, float, "a number of seconds")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value = _number(text, float, "a positive number")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    value = _number(text, float, "a number in (0, 1]")
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 
 def _rate(text: str) -> float:
-    value = float(text)
+    value = _number(text, float, "a number in [0, 1]")
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
@@ -92,10 +123,20 @@ def _duration(text: str) -> float | None:
     return seconds
 
 
+SERVE_EPILOG = (
+    "commands: clef-serve batch INPUT.jsonl OUTPUT.jsonl [these flags] scores a file of requests offline "
+    "(clef-serve batch --help). Flags, exit codes, examples: docs/operations.md#flags"
+)
+
+
 def build_parser(
-    prog: str = "clef-serve", description: str = "Serve a Clef release over TypeSafe's System One API."
+    prog: str = "clef-serve",
+    description: str = "Serve a Clef release over TypeSafe's System One API.",
+    epilog: str | None = SERVE_EPILOG,
 ) -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description=description, allow_abbrev=False, formatter_class=_HelpWithDefaults)
+    parser = _Parser(
+        prog=prog, description=description, epilog=epilog, allow_abbrev=False, formatter_class=_HelpWithDefaults
+    )
     # --help in the groups a reader looks for a flag in (README, docs/operations.md#flags), in this order
     for title, add_flags in (
         ("serving: the model, the device, the listener", add_serving_flags),
@@ -122,7 +163,7 @@ def add_serving_flags(group) -> None:
         choices=sorted(DTYPES),
         help="activations; bf16 on sm_80+ and AVX512-BF16 CPUs (default: f16 GPU, f32 CPU)",
     )
-    group.add_argument("--p", "--port", dest="port", type=_positive_int, default=8080, metavar="PORT", help="TCP port")
+    group.add_argument("--p", "--port", dest="port", type=_port, default=8080, metavar="PORT", help="TCP port")
     group.add_argument("--host", default="0.0.0.0", metavar="ADDRESS", help="address to listen on")
     group.add_argument(
         "--api-key",
@@ -138,7 +179,7 @@ def add_serving_flags(group) -> None:
     )
     group.add_argument(
         "--drain-timeout",
-        type=float,
+        type=_seconds_or_zero,
         default=90.0,
         metavar="SECONDS",
         help="on SIGTERM, for in-flight requests to finish (new ones: 503)",
@@ -299,10 +340,10 @@ def add_clients_flags(group) -> None:
         "--max-body-bytes", type=_positive_int, default=48 * 2**20, metavar="BYTES", help="request body limit (413)"
     )
     group.add_argument(
-        "--request-timeout", type=float, default=600.0, metavar="SECONDS", help="before a request gives up (503)"
+        "--request-timeout", type=_seconds, default=600.0, metavar="SECONDS", help="before a request gives up (503)"
     )
     group.add_argument(
-        "--body-timeout", type=float, default=30.0, metavar="SECONDS", help="to receive a request body (408)"
+        "--body-timeout", type=_seconds, default=30.0, metavar="SECONDS", help="to receive a request body (408)"
     )
     group.add_argument(
         "--max-json-depth",
@@ -371,7 +412,7 @@ def add_scale_flags(group) -> None:
         "--tensor-parallel-size",
         "--tp",
         dest="tensor_parallel_size",
-        type=int,
+        type=_positive_int,
         default=1,
         metavar="N",
         help="shard the trunk over N cards of this machine: 1, 2 or 4",
