@@ -195,6 +195,29 @@ def test_readme_curl_example_answers_as_printed(clef_serve):
     assert any("EMBEDDED DEMO MODEL" in line for line in output)  # announced loudly at start-up
 
 
+def test_the_sdk_example_prints_what_clients_md_says(clef_serve):
+    """docs/clients.md's typesafe-sdk example (a noul, a choice and a score), run as written but for the base URL,
+    prints the line printed below it: the choice exactly, each probability and the score within the parity
+    bound of the printed value plus half its last digit."""
+    import contextlib
+    import io
+
+    url, _ = clef_serve
+    text = (ROOT / "docs" / "clients.md").read_text()
+    block = re.search(r"<!-- sdk-example -->\s*```python\n(.*?)```\n\nprints .*?```\n(.*?)\n```", text, re.S)
+    assert block, "docs/clients.md lost its <!-- sdk-example --> block"
+    code, printed = block.group(1), block.group(2).split()
+    assert code.count('base_url="http://localhost:8080"') == 1
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.replace("http://localhost:8080", url), "clients.md sdk-example", "exec"), {})
+    got = out.getvalue().split()
+    assert len(got) == len(printed) == 3, (got, printed)
+    assert got[1] == printed[1]
+    for ours, theirs in ((got[0], printed[0]), (got[2], printed[2])):
+        assert abs(float(ours) - float(theirs)) <= 0.5e-4 + 1e-5, (got, printed)
+
+
 def test_readme_workers_ai_example_answers_as_printed(clef_serve):
     """docs/clients.md's "switch from Workers AI" example: the same route, envelope and hosted confidence."""
     url, _ = clef_serve

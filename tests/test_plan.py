@@ -5,6 +5,7 @@ resident weights in /metrics."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -266,6 +267,31 @@ def ranks(release, gib: float, size: int, quantize="none", vocab_tables="device"
 def balance(plan) -> float:
     """What rank 0 needs before its cache over what the most loaded other rank does."""
     return plan.needed_bytes / max(other.needed_bytes for other in plan.other_ranks)
+
+
+def test_operations_md_gives_clef_27b_trunk_as_the_plan_holds_it(clef):
+    """docs/operations.md's clef 27B sentence: the trunk in f16 and int8 on one card, and a --tp 2 rank's (it once
+    gave the ranks' figures, 22.7 / 11.4 GiB, as the whole trunk's), each to the 0.1 GiB it prints."""
+    import dataclasses
+
+    from clef_cuda.model.shard import local_config
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    found = re.search(
+        r"holds ([\d.]+) GiB of trunk in f16 \(([\d.]+) GiB in int8; each of two `--tp 2` ranks half of\s+that, "
+        r"([\d.]+) and ([\d.]+) GiB\)",
+        text,
+    )
+    assert found, "operations.md's clef 27B trunk sentence"
+    config = load_release_config(clef)
+    rank_config = dataclasses.replace(config, trunk=local_config(config.trunk, 2))
+    figures = [
+        planned_weights(config, torch.float16)["trunk"],
+        planned_weights(config, torch.float16, "int8")["trunk"],
+        planned_weights(rank_config, torch.float16, rank=0, ranks=2)["trunk"],
+        planned_weights(rank_config, torch.float16, "int8", rank=0, ranks=2)["trunk"],
+    ]
+    assert [float(g) for g in found.groups()] == [round(b / 2**30, 1) for b in figures]
 
 
 def test_clef_27b_balanced_over_its_ranks_on_the_cards_people_own(clef):
