@@ -30,8 +30,11 @@ class InjectedFault:
     compute_capability: int = 80  # the simulated device it shows on
     key_band: bool = False  # a band fault: the band is the case's key band [key_dim, 2 key_dim)
     # False: its damage stays in rows no output is computed from (only the simulator's CLEF_CHECK_FINITE sees
-    # it): no self-check can, on a GPU; benchmarks/selfcheck_power.py reports it apart from M.
+    # it): no self-check can, on a GPU; benchmarks/selfcheck_power.py reports it apart from M. A claim, so it is
+    # shown: `outputs` computes the op's outputs on the op tests' inputs, and tests/test_selfcheck_power.py
+    # requires them bit-identical with the fault on and off (the finite check off) before the fault leaves M.
     reaches_outputs: bool = True
+    outputs: Callable | None = None  # outputs(sim_ops) -> tensors, for a fault that claims reaches_outputs=False
 
 
 def sim_backend(sim_ops) -> Backend:
@@ -61,6 +64,24 @@ def chunked_delta_rule(sim_ops) -> None:
     for edge in GATE_EDGES.values():
         check_chunked(backend, [7, 140], 1, 2, 16, torch.float16, **edge)
     check_state_variants(backend, torch.float16)
+
+
+def chunked_delta_rule_outputs(sim_ops) -> list[torch.Tensor]:
+    """The chunked delta rule's outputs and final states on chunked_delta_rule's pack shapes (1..3 chunks, odd
+    tails: padding rows in every last chunk), f16 and bf16, the same inputs each call (seeded)."""
+    from test_gated_delta_rule import CHUNKED_CASES, make_inputs, nan_like
+
+    lengths, shapes = CHUNKED_CASES["sim"]
+    results = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for hk, hv, d in [*shapes, (1, 2, 128)]:
+            torch.manual_seed(0)
+            q, k, v, g, beta, states, cu, slots, has_initial = make_inputs(lengths, hk, hv, d, d, dtype, "cpu")
+            out = sim_ops.gated_delta_rule_chunk(
+                q, k, v, g, beta, states, cu, slots, has_initial, out=nan_like(v.contiguous()), kernel="chunked"
+            )
+            results += [out, states]
+    return results
 
 
 def wmma_attention(sim_ops) -> None:
@@ -191,6 +212,7 @@ FAULTS = [
         "the output pass's padding rows with G = 0: 0 x inf in P's rows past the last token",
         chunked_delta_rule,
         reaches_outputs=False,
+        outputs=chunked_delta_rule_outputs,
     ),
     InjectedFault(
         "wmma_skip_causal_mask", "paged_attention:wmma", "the tensor-core kernel's causal mask skipped", wmma_attention

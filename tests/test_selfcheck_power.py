@@ -21,6 +21,35 @@ def test_every_fault_point_in_the_kernels_is_in_the_table():
     assert len(FAULTS) >= 25
 
 
+def outputs_with_and_without(fault, sim_ops, claimed) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The op's outputs (`claimed`'s outputs function, on its inputs) with `fault` off and on, on the fault's
+    simulated device, the finite check off (what a GPU would give)."""
+    with simulated(compute_capability=fault.compute_capability, finite_check=False):
+        healthy = claimed.outputs(sim_ops)
+        with simulated(fault=fault.name):
+            faulty = claimed.outputs(sim_ops)
+    return healthy, faulty
+
+
+@pytest.mark.parametrize("fault", [f for f in FAULTS if not f.reaches_outputs], ids=lambda f: f.name)
+def test_a_fault_left_out_of_the_count_leaves_every_output_bit_identical(sim_ops, fault):
+    """reaches_outputs=False takes a fault out of the self-check's count (benchmarks/selfcheck_power.py's M): only
+    once the op's outputs on the op tests' inputs are bit-identical with it on (its damage stays in rows nothing
+    reads). A fault marked so whose outputs differ fails here."""
+    assert fault.outputs is not None, f"{fault.name} claims reaches_outputs=False without an outputs function"
+    healthy, faulty = outputs_with_and_without(fault, sim_ops, fault)
+    assert len(healthy) == len(faulty) > 0
+    assert all(torch.equal(a, b) for a, b in zip(healthy, faulty, strict=True)), f"{fault.name} reaches an output"
+
+
+def test_the_bit_identity_check_sees_a_fault_that_reaches_the_outputs(sim_ops):
+    """The same comparison on a fault of the same kernel that does reach its outputs (the far tiles of P dropped)
+    finds a difference: it can fail."""
+    padding = BY_NAME["gdr_padding_rows_g_zero"]
+    healthy, faulty = outputs_with_and_without(BY_NAME["gdr_p_far_tiles_zeroed"], sim_ops, padding)
+    assert not all(torch.equal(a, b) for a, b in zip(healthy, faulty, strict=True))
+
+
 @pytest.fixture(scope="module")
 def flash_heads(sim_ops):
     """A trunk with clef-flash's per-head shapes, int8 weights, f16, on the simulator's kernels."""
