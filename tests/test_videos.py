@@ -277,31 +277,42 @@ def test_pixels_positions_and_the_towers_features_equal_the_reference(parity_run
         assert got.shape == expected.shape and (got - expected).abs().max() < 1e-6, what
 
 
-@pytest.mark.parametrize("fault", ["rotation the other way", "timestamps a frame late", "groups out of order"])
-def test_parity_catches_a_fault(parity_run, monkeypatch, fault):
-    """Each fault breaks parity on some of the cases it touches: the checks above can fail."""
+@pytest.mark.parametrize("fault", ["rotation the other way", "timestamps half a second late", "groups out of order"])
+def test_parity_catches_a_fault_on_every_case_it_touches(parity_run, monkeypatch, fault):
+    """Each fault fails the parity checks above (the answers, the ids, the pixels bit for bit) on every case it
+    touches, not on one of them: the rotated clips for the rotation, clips 2 to 7 (each of several frame groups) for
+    the others. (A frame late, 1/30 s, was the fault once: the prompt writes times to 0.1 s, so on some clips it
+    changed nothing a check could see, and parity was required on one case only.)"""
     cases, answers, decider, _ = parity_run
     if fault == "rotation the other way":
         monkeypatch.setattr(videos, "_ROTATIONS", {0: 0, 90: 3, 180: 2, 270: 1, -90: 1, -180: 2, -270: 3})
         touched = [i for i, (what, _) in enumerate(cases) if "rotation 90" in what or "rotation -90" in what]
-    elif fault == "timestamps a frame late":
+    elif fault == "timestamps half a second late":
         real = videos.timestamps
-        monkeypatch.setattr(videos, "timestamps", lambda indices, fps, t: [s + 1 / fps for s in real(indices, fps, t)])
+        monkeypatch.setattr(videos, "timestamps", lambda indices, fps, t: [s + 0.5 for s in real(indices, fps, t)])
         touched = list(range(2, 8))
     else:
         real_groups = videos._groups
         monkeypatch.setattr(videos, "_groups", lambda clip, config: real_groups(clip, config)[::-1])
         touched = list(range(2, 8))
     assert touched
-    caught = 0
-    for index in touched:
-        what, request = cases[index]
-        try:
-            assert_response_matches(decider.decide(ours_request(request)), *_answer(answers[index]))
-            assert_ids(decider, request, answers[index])
-        except AssertionError:
-            caught += 1
-    assert caught >= 1, f"{fault}: parity missed it on all of {len(touched)} cases"
+    missed = [cases[index][0] for index in touched if not _parity_fails(parity_run, index)]
+    assert not missed, f"{fault}: parity missed it on {len(missed)} of the {len(touched)} cases it touches: {missed}"
+
+
+def _parity_fails(parity_run, index: int) -> bool:
+    """Whether any parity check of the tests above fails on case `index`: the answers, the ids, the pixels."""
+    cases, answers, decider, _ = parity_run
+    _, request = cases[index]
+    try:
+        assert_response_matches(decider.decide(ours_request(request)), *_answer(answers[index]))
+        assert_ids(decider, request, answers[index])
+        found = decider.prepare_videos(videos.request_videos(ours_request(request), LONG))
+        rows = torch.cat([group.pixel_values for clip in found for group in clip.groups])
+        assert torch.equal(rows, _dump(parity_run, index)["pixel_values_videos"])
+    except AssertionError:
+        return True
+    return False
 
 
 def _answer(answer: dict) -> tuple[dict, dict]:
