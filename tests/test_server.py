@@ -8,6 +8,8 @@ import gzip
 import json
 import random
 import threading
+import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -277,7 +279,7 @@ def test_a_client_gone_mid_wait_is_a_499_not_a_failed_request(decider, caplog):
         gone.app = app
         ticket = engine.submit(OK)
         with pytest.raises(ClientError) as raised:
-            asyncio.run(decisions._wait(gone, context_of(gone), engine, ticket))
+            asyncio.run(decisions._wait(gone, context_of(gone), engine, ticket, time.monotonic() + 60))
         assert (raised.value.status, raised.value.error_type) == (499, "client_closed_request")
         engine.gate.set()
         wait_until(lambda: engine.queue_depth == 0 and engine.running == 0, "the cancelled request to go")
@@ -375,7 +377,10 @@ def test_a_stop_while_the_engine_starts_waits_for_its_thread(decider, monkeypatc
             super().start()
 
     engine = make_engine(decider)
-    monkeypatch.setattr(engine_module.threading, "Thread", SlowStart)  # the module's: this test's threads are Thread
+    # What is patched: clef_cuda.serving.engine's own name `threading`, now a stand-in for the module whose Thread is
+    # SlowStart, so only the threads the engine starts are held (patching threading.Thread itself would hold every
+    # thread this process starts meanwhile).
+    monkeypatch.setattr(engine_module, "threading", SimpleNamespace(**{**vars(threading), "Thread": SlowStart}))
     starter = Thread(target=engine.start)
     starter.start()
     assert starting.wait(10)
