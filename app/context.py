@@ -3,6 +3,10 @@ its metrics. One ServerContext per app, on app.state.context; a route reaches it
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +16,20 @@ from app.intake import ClientError
 from app.metrics import Metrics, RecentDecisions
 from app.responses import RETRY_AFTER_SECONDS
 from clef_cuda.lifecycle import Lifecycle
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a container's cpuset sets), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_video_decodes(cores: int | None = None) -> int:
+    """Requests whose videos decode at once, by default: one for every 4 cores (at least one), each decode on its
+    share of them (app.cli.engine: FFmpeg's threads), so a decode gets the cores its budget was measured with."""
+    return max(1, (cores or usable_cores()) // 4)
 
 
 @dataclass(frozen=True)
@@ -42,6 +60,7 @@ class ServerSettings:
     status_page: bool = True  # GET /: the status page (app/routes/status_page.py)
     quantize: str = "none"  # what the status page says the weights are (the CLI's --quantize)
     tensor_parallel_size: int = 1  # the cards the trunk is sharded over (the CLI's --tensor-parallel-size)
+    max_video_decodes: int = field(default_factory=default_video_decodes)  # requests' videos decoded at once
 
 
 @dataclass
@@ -51,6 +70,11 @@ class ServerContext:
     metrics: Metrics
     tracing: Any = None  # app.tracing.Tracing when traces are on
     recent: RecentDecisions = field(default_factory=RecentDecisions)  # the last minutes, for the status page
+    video_decodes: VideoDecodeSlots | None = None  # made from settings.max_video_decodes
+
+    def __post_init__(self) -> None:
+        if self.video_decodes is None:
+            self.video_decodes = VideoDecodeSlots(self.settings.max_video_decodes)
 
     @property
     def names(self) -> set[str]:
@@ -67,3 +91,43 @@ class ServerContext:
 
 def context_of(request: Request) -> ServerContext:
     return request.app.state.context
+
+
+class VideoDecodeSlots:
+    """At most `size` requests' videos decoded at once, server-wide (--max-video-decodes): N hostile clips take one
+    slot's cores at a time, each stopped by its decode budget, while requests without videos pass them by. A request
+    with videos waits for a slot on the event loop (holding no worker thread) until its deadline: then the
+    contract's 503 timeout. The semaphore is made on the event loop that uses it (tests run an app on several)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.decoding = 0  # requests decoding now
+        self.waiting = 0  # requests waiting for a slot
+        self._semaphore: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.asynccontextmanager
+    async def slot(self, timeout: float) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._semaphore, self._loop = asyncio.Semaphore(self.size), loop
+        semaphore = self._semaphore
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(semaphore.acquire(), max(timeout, 0.0))
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+            raise ClientError(
+                503,
+                "timeout",
+                f"no video decoding slot within the request's time (--request-timeout; {self.size} at once: "
+                "--max-video-decodes)",
+                {"Retry-After": RETRY_AFTER_SECONDS},
+            ) from None
+        finally:
+            self.waiting -= 1
+        self.decoding += 1
+        try:
+            yield
+        finally:
+            self.decoding -= 1
+            semaphore.release()

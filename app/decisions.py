@@ -11,6 +11,7 @@ process exits; 500 for a numerical overflow or anything else of ours).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -176,24 +177,23 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
         found = collect_media(body, parts, options.image_limits, options.video_limits)
     except ImageError as error:
         return image_refusal(error)
-    adapter = engine.adapters.acquire(body["model"]) if variant else None
-    if variant and adapter is None:  # unloaded in the meantime
-        raise ClientError(404, "not_found_error", f"model {body['model']!r} is not served here")
+    deadline = time.monotonic() + context.settings.request_timeout  # a slot's wait, the encoding, the answer's
     try:
-        encoding_started = time.time_ns()
-        timeline = trace.timeline if trace is not None else None
-        try:
-            record, prepared = await run_in_threadpool(engine.encode, body, found.images, found.videos, timeline)
-        except BaseException:
-            if adapter is not None:
-                engine.adapters.release(adapter)
-            raise
-        if timeline is not None:  # a child of the request's span like the engine's steps: clef.images, ...
-            timeline.add(
-                "encode", encoding_started, images=len(found.images), videos=len(found.videos), tokens=record.num_tokens
+        with engine.admit() as admission:  # a place in the queue first: its refusal comes before any decoding
+            adapter = engine.adapters.acquire(body["model"]) if variant else None
+            if variant and adapter is None:  # unloaded in the meantime
+                raise ClientError(404, "not_found_error", f"model {body['model']!r} is not served here")
+            try:
+                record, prepared = await _encode(context, engine, body, found, trace, deadline)
+            except BaseException:
+                if adapter is not None:
+                    engine.adapters.release(adapter)
+                raise
+            timeline = trace.timeline if trace is not None else None
+            # the engine releases the adapter from here on, refused or not
+            ticket = engine.submit(
+                body, record, prepared, adapter, request.state.request_id, confidence, timeline, admission
             )
-        # the engine releases the adapter from here on
-        ticket = engine.submit(body, record, prepared, adapter, request.state.request_id, confidence, timeline)
     except ImageError as error:
         return image_refusal(error, found)
     except RequestError as error:
@@ -204,7 +204,7 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
         raise ClientError(503, "overloaded_error", str(error), {"Retry-After": RETRY_AFTER_SECONDS}) from error
     except EngineStoppedError as error:
         raise ClientError(503, "service_unavailable", str(error), {"Retry-After": RETRY_AFTER_SECONDS}) from error
-    result = await _wait(request, context, engine, ticket)
+    result = await _wait(request, context, engine, ticket, deadline)
     metrics = context.metrics
     metrics.prompt_tokens.inc(result["usage"]["input_tokens"])
     metrics.cached_tokens.inc(result.get("x_cached_tokens", 0))
@@ -218,13 +218,25 @@ async def _decide(request: Request, context: ServerContext, engine, body, parts,
     return JSONResponse(result, headers=routing)
 
 
-async def _wait(request: Request, context: ServerContext, engine, ticket) -> dict[str, Any]:
+async def _encode(context: ServerContext, engine, body, found: RequestMedia, trace, deadline: float):
+    """The record and its media's tower inputs (Engine.encode, on a worker thread), a request with videos first
+    waiting for one of the server's decoding slots (context.video_decodes) until `deadline`."""
+    timeline = trace.timeline if trace is not None else None
+    started = time.time_ns()
+    slot = context.video_decodes.slot(deadline - time.monotonic()) if found.videos else contextlib.nullcontext()
+    async with slot:
+        record, prepared = await run_in_threadpool(engine.encode, body, found.images, found.videos, timeline)
+    if timeline is not None:  # a child of the request's span like the engine's steps: clef.images, ...
+        timeline.add("encode", started, images=len(found.images), videos=len(found.videos), tokens=record.num_tokens)
+    return record, prepared
+
+
+async def _wait(request: Request, context: ServerContext, engine, ticket, deadline: float) -> dict[str, Any]:
     """The ticket's answer; the client's disconnect (499) or the request timeout (503 timeout) cancels it; what a
     failed step means to this request as the contract's error. The wait's own refusals are raised outside the
     step's mapping below, which would make them a 500 internal_error logged as a failed request."""
     settings = context.settings
     future = asyncio.wrap_future(ticket.future)
-    deadline = time.monotonic() + settings.request_timeout
     try:
         while not (await asyncio.wait({future}, timeout=settings.disconnect_poll_seconds))[0]:
             if await request.is_disconnected():

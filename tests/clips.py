@@ -114,3 +114,47 @@ def audio_only(seconds: float = 1.0) -> bytes:
         return frame
 
     return _encoded(buffer, out, stream, (chunk(start) for start in range(0, samples, 1024)))
+
+
+def faststart_with_audio(count: int = 50, fps: int = 25, width: int = 96, height: int = 64) -> bytes:
+    """An h264 MP4 with an AAC track beside the video, its index (moov) first (movflags +faststart): a cut keeps the
+    whole index, and with two streams the header's duration is no check on the video's (an audio track may rightly
+    run longer), so only the index's frame count can tell the file is short."""
+    import tempfile
+
+    import av
+
+    with tempfile.TemporaryDirectory() as folder:  # faststart rewrites the file: a path, not a BytesIO
+        path = f"{folder}/clip.mp4"
+        _write_faststart_with_audio(
+            av.open(path, "w", format="mp4", options={"movflags": "+faststart"}), count, fps, width, height
+        )
+        with open(path, "rb") as written:
+            return written.read()
+
+
+def _write_faststart_with_audio(out, count: int, fps: int, width: int, height: int) -> None:
+    import av
+
+    video = out.add_stream("libx264", rate=fps)
+    video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+    video.options = {"preset": "ultrafast"}
+    audio = out.add_stream("aac", rate=16000)
+    samples_a_frame = 16000 // fps
+    tone = (np.sin(np.arange(samples_a_frame * count) / 8.0) * 3000).astype(np.int16)[None, :]
+    pending_audio = 0
+    for i, image in enumerate(frames(count, width, height)):
+        for packet in video.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+            out.mux(packet)
+        while pending_audio + 1024 <= (i + 1) * samples_a_frame:  # the audio kept level with the video: interleaved
+            chunk = av.AudioFrame.from_ndarray(
+                tone[:, pending_audio : pending_audio + 1024], format="s16", layout="mono"
+            )
+            chunk.sample_rate, chunk.pts = 16000, pending_audio
+            for packet in audio.encode(chunk):
+                out.mux(packet)
+            pending_audio += 1024
+    for stream in (video, audio):
+        for packet in stream.encode():
+            out.mux(packet)
+    out.close()

@@ -1,7 +1,7 @@
 """Videos over HTTP: every wire form (a data URL, a {content_type, base64} object, plain base64, an asset with a
 placeholder, a multipart upload) answers as the reference does for the same clip; the Workers AI route, batch files,
 metrics, the prefix and vision caches and the shadow's verification take video records; every hostile file is a
-4xx with the contract's body, and on a live server within 5 s and 512 MB, nothing decoded before the cheap limits
+4xx with the contract's body, and on a live server within 5 s and 512 MiB, nothing decoded before the cheap limits
 pass, the server answering normally afterwards."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from app.server import ServerSettings, create_app
 from clef_cuda import Decider
 from clef_cuda.request import videos
 from clef_cuda.request.videos import VideoError, VideoLimits
-from clef_cuda.serving.engine import Engine, EngineConfig
+from clef_cuda.serving.engine import Engine, EngineConfig, QueueFullError
 from clef_cuda.verification.shadow import ShadowConfig
 
 QUESTIONS = {
@@ -37,6 +37,7 @@ QUESTIONS = {
     "where": {"type": "choice", "criteria": {"aisle": "A shop aisle", "stairs": None, "yard": "Outdoors"}},
 }
 CLIP = clips.clip("h264", 96, 64, 30, 10, seed=3)
+FASTSTART_WITH_AUDIO = clips.faststart_with_audio()  # 50 frames, 2 s, AAC beside it, its index first
 OTHER = clips.clip("vp9", 80, 48, 24, 12, seed=4)
 
 
@@ -221,6 +222,12 @@ def hostile_files() -> dict[str, tuple[object, int, list, str]]:
         "a corrupt stream": (b64(bytes(corrupt)), 422, ["body", "videos", 0], "corrupt"),
         "a truncated webm": (b64(truncated_webm[: len(truncated_webm) * 6 // 10]), 422, ["body", "videos", 0], "trunc"),
         "a truncated mp4": (b64(CLIP[: len(CLIP) // 2]), 422, ["body", "videos", 0], "could not be opened"),
+        "a faststart mp4 with audio, cut at 60%": (
+            b64(FASTSTART_WITH_AUDIO[: len(FASTSTART_WITH_AUDIO) * 6 // 10]),
+            422,
+            ["body", "videos", 0],
+            "holds 29 of the 50 frames its index lists",
+        ),
         "a container that lies about its codec": (
             b64(CLIP.replace(b"avc1", b"hvc1")),
             422,
@@ -270,6 +277,19 @@ def test_counts_and_the_models_without_a_tower(client):
     with TestClient(create_app(ServerSettings(), engine=text_only)) as c:
         response = c.post("/v1/systemone", json=body(videos=[b64(CLIP)]))
         assert_422(response, ["body", "videos"], "does not accept videos")
+
+
+def test_a_cut_faststart_mp4_with_audio_is_refused_by_the_index_check_alone(monkeypatch):
+    """The index check is what refuses it: with the check switched off the same bytes scan and decode (as a clip of
+    1.16 s of the 2 s the client sent), so no other check stands behind it; the whole file decodes either way."""
+    config = videos.load_video_processor_config(tiny_release())
+    cut = FASTSTART_WITH_AUDIO[: len(FASTSTART_WITH_AUDIO) * 6 // 10]
+    with pytest.raises(VideoError, match="holds 29 of the 50 frames its index lists"):
+        videos.load_videos([(cut, "mp4")], config, VideoLimits())
+    monkeypatch.setattr(videos, "check_index", lambda indexed, packets: None)
+    (short,) = videos.load_videos([(cut, "mp4")], config, VideoLimits())
+    (whole,) = videos.load_videos([(FASTSTART_WITH_AUDIO, "mp4")], config, VideoLimits())
+    assert short.seconds < 0.7 * whole.seconds
 
 
 def test_limits_are_checked_before_decoding(monkeypatch):
@@ -346,7 +366,7 @@ def test_the_video_limit_flags_reach_the_deciders_limits():
 
 def test_hostile_files_on_a_live_server_are_fast_small_and_harmless():
     """clef-serve on a release with a tower: each hostile file a 4xx within 5 s, the server's resident memory never
-    more than 512 MB above its level before (sampled every 10 ms), and a real clip answered afterwards. A 4K clip
+    more than 512 MiB above its level before (sampled every 10 ms), and a real clip answered afterwards. A 4K clip
     (inside the limits) is decoded frame by frame: answered, within the same memory."""
     import psutil
     from live import clef_serve_process, resident_growth
@@ -385,12 +405,140 @@ def test_frame_pairs_share_tower_calls_within_the_plans_budget(decider):
     assert [len(b) for b in _tower_batches(pairs, size - 1)] == [1] * len(pairs)
 
 
-def test_an_error_pyav_raises_while_decoding_is_a_422_not_a_500(client, monkeypatch):
-    """PyAV raises ValueError (a pixel format it cannot convert) or OSError besides FFmpeg's own errors: each one met
-    while decoding is the client's file's fault, a 422 naming the video (here raised from inside the decode loop)."""
+def test_an_error_ffmpeg_raises_while_decoding_is_a_422_naming_the_video(client, monkeypatch):
+    """FFmpeg's errors met while decoding (here an InvalidDataError from the RGB conversion of a frame, inside the
+    decode loop) are the client's file's fault: a 422 naming the video."""
+    import av
 
-    def unconvertible(*args, **kwargs):
-        raise ValueError("Conversion from 'gbrap14le' to 'rgb24' is not supported")
+    def unreadable(self, frame):
+        raise av.error.InvalidDataError(1094995529, "Invalid data found when processing input")
 
-    monkeypatch.setattr(videos, "target_size", unconvertible)
+    monkeypatch.setattr(videos._RGBConverter, "__call__", unreadable)
     assert_422(client.post("/v1/systemone", json=body(videos=[b64(CLIP)])), ["body", "videos", 0], "corrupt")
+
+
+@pytest.mark.parametrize("fault", [ValueError("our resize's fault"), OSError("our own I/O's fault")])
+def test_a_fault_of_ours_while_decoding_is_a_500_with_a_log_line_not_a_422(client, monkeypatch, caplog, fault):
+    """A ValueError or OSError raised by our own code inside the decode loop (here the clip's target size) is not the
+    client's 'corrupt' file (every ValueError and OSError was, once): a 500 internal_error, its traceback logged."""
+
+    def ours(*args, **kwargs):
+        raise fault
+
+    monkeypatch.setattr(videos, "target_size", ours)
+    with caplog.at_level("ERROR"):
+        response = client.post("/v1/systemone", json=body(videos=[b64(CLIP)]))
+    assert response.status_code == 500, response.text
+    assert response.json()["detail"]["error_type"] == "internal_error"
+    logged = [r for r in caplog.records if r.levelname == "ERROR" and r.exc_info and r.exc_info[1] is fault]
+    assert logged and "POST /v1/systemone failed" in logged[0].getMessage(), [r.getMessage() for r in caplog.records]
+
+
+# ---- the decode's cost bounded: the request's budget, admission before decoding, slots server-wide ---------------
+def test_a_request_the_queue_would_refuse_gets_its_503_before_any_decoding(decider, monkeypatch):
+    """The queue full (its one place taken): a request with a clip is refused 503 overloaded without a frame scanned
+    or decoded (it was decoded first, then refused at submission); once the queue moves the same request answers."""
+    from live import GatedEngine
+
+    engine = GatedEngine(decider, EngineConfig(max_model_len=4096, kv_fraction=0.02, max_queue=1))
+    decoded = []
+    real_scan = videos.scan_video
+    monkeypatch.setattr(videos, "scan_video", lambda *a, **k: decoded.append(1) or real_scan(*a, **k))
+    with TestClient(create_app(ServerSettings(), engine=engine, warm_up=False)) as c:
+        first = engine.submit({"model": "clef-flash", "state": "x", "questions": QUESTIONS})
+        refused = c.post("/v1/systemone", json=body(videos=[b64(CLIP)]))
+        assert refused.status_code == 503 and refused.json()["detail"]["error_type"] == "overloaded_error"
+        assert decoded == [], "decoded before the queue refused it"
+        engine.gate.set()
+        first.future.result(60)
+        assert c.post("/v1/systemone", json=body(videos=[b64(CLIP)])).status_code == 200 and decoded == [1]
+
+
+def test_admissions_hold_their_queue_places_until_submitted_or_given_back(decider):
+    engine = engine_of(decider, max_queue=2)
+    with engine.admit() as one, engine.admit():
+        with pytest.raises(QueueFullError):
+            engine.admit()  # both places held while their requests decode
+        with pytest.raises(QueueFullError):
+            engine.submit({"model": "clef-flash", "state": "x", "questions": QUESTIONS})
+        ticket = engine.submit({"model": "clef-flash", "state": "x", "questions": QUESTIONS}, admission=one)
+        assert engine.queue_depth == 1 and not one.held
+    with engine.admit():  # the second's place came back when its block was left
+        pass
+    engine.cancel(ticket)
+
+
+def test_at_most_max_video_decodes_requests_decode_at_once_and_text_passes_them_by(decider, monkeypatch):
+    """--max-video-decodes 1: three requests with a slow clip (each decode held 0.5 s) decode one at a time, and a
+    request without videos sent after them is answered before the last of them; all answered."""
+    real, active, most = videos.decode_video, [0], [0]
+
+    def slow(*args, **kwargs):
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        try:
+            time.sleep(0.5)
+            return real(*args, **kwargs)
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(videos, "decode_video", slow)
+    app = create_app(ServerSettings(max_video_decodes=1), engine=engine_of(decider))
+    finished: list[str] = []
+
+    async def send(client, name, payload):
+        response = await client.post("/v1/systemone", json=payload)
+        finished.append(name)
+        return response.status_code
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+            clipped = [asyncio.create_task(send(client, f"video {i}", body(videos=[b64(CLIP)]))) for i in range(3)]
+            await asyncio.sleep(0.1)
+            text = asyncio.create_task(send(client, "text", body()))
+            return await asyncio.gather(*clipped, text)
+
+    with TestClient(app):
+        statuses = asyncio.run(run())
+    assert statuses == [200] * 4 and most[0] == 1, (statuses, most)
+    assert finished.index("text") < finished.index("video 2"), finished
+
+
+def test_a_requests_videos_share_its_decode_budget(monkeypatch):
+    """The budget is the request's, from its first scan: on a clock that ticks once a read, a budget one clip fits in
+    refuses the same clip sent twice (a 413 naming --video-decode-budget); none: both decoded."""
+    config = videos.load_video_processor_config(tiny_release())
+    ticks = [0.0]
+
+    def clock():
+        ticks[0] += 1.0
+        return ticks[0]
+
+    monkeypatch.setattr(videos.time, "perf_counter", clock)
+    videos.load_videos([(CLIP, None)], config, VideoLimits(max_decode_seconds=1e9))
+    one_clip = ticks[0]  # the reads one clip's scan and decode make, its budget checks included
+    ticks[0] = 0.0
+    videos.load_videos([(CLIP, None)], config, VideoLimits(max_decode_seconds=one_clip))
+    with pytest.raises(VideoError, match=r"video 2: decoding took over the .* \(--video-decode-budget\)") as refused:
+        videos.load_videos([(CLIP, None), (CLIP, None)], config, VideoLimits(max_decode_seconds=one_clip))
+    assert refused.value.status == 413
+    assert len(videos.load_videos([(CLIP, None)] * 2, config, VideoLimits(max_decode_seconds=None))) == 2
+
+
+def test_the_decode_budget_and_slots_flags_reach_the_server():
+    """--video-decode-budget (default 4 s, 'off' for none) is the decider's VideoLimits.max_decode_seconds,
+    --max-video-decodes the server's slots, and each decode's FFmpeg threads a slot's share of the cores."""
+    from app.cli.engine import make_decider, server_settings
+    from app.cli.flags import build_parser
+    from app.context import usable_cores
+
+    defaults = build_parser().parse_args([])
+    assert defaults.video_decode_budget == VideoLimits().max_decode_seconds == 3.5
+    release = ["--w", str(tiny_release()), "--d", "cpu"]
+    args = build_parser().parse_args([*release, "--video-decode-budget", "2.5s", "--max-video-decodes", "3"])
+    limits = make_decider(args).options.video_limits
+    assert (limits.max_decode_seconds, limits.decode_threads) == (2.5, max(1, usable_cores() // 3))
+    assert server_settings(args, "").max_video_decodes == 3
+    off = build_parser().parse_args([*release, "--video-decode-budget", "off"])
+    assert make_decider(off).options.video_limits.max_decode_seconds is None

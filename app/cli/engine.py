@@ -78,7 +78,11 @@ def make_decider(args, on_lost=None):
         client_special_tokens=args.client_special_tokens,
         image_limits=ImageLimits(max_images=args.max_images),
         video_limits=VideoLimits(
-            max_videos=args.max_videos, max_bytes=args.max_video_mib * 2**20, max_seconds=args.max_video_seconds
+            max_videos=args.max_videos,
+            max_bytes=args.max_video_mib * 2**20,
+            max_seconds=args.max_video_seconds,
+            max_decode_seconds=args.video_decode_budget,
+            decode_threads=video_decode_threads(args),
         ),
         image_max_pixels=args.image_max_pixels,
         progress=args.log_format == "text",  # a progress bar is not a JSON line
@@ -86,6 +90,22 @@ def make_decider(args, on_lost=None):
         vocab_tables=args.vocab_tables if args.vocab_tables != "auto" else "device",
         tensor_parallel=group,
     )
+
+
+def video_decodes(args) -> int:
+    """--max-video-decodes, or its default from the cores (app.context.default_video_decodes)."""
+    from app.context import default_video_decodes
+
+    return args.max_video_decodes or default_video_decodes()
+
+
+def video_decode_threads(args) -> int:
+    """FFmpeg's threads for one video: its slot's share of the cores (at least 1), so concurrent decodes do not
+    oversubscribe the cores; FFmpeg's own choice for one decode, the cores + 1, was no faster on 2 cores
+    (benchmarks/video_worst_case.py)."""
+    from app.context import usable_cores
+
+    return max(1, usable_cores() // video_decodes(args))
 
 
 def parse_adapters(values: list[str]) -> list[tuple[str, str]]:
@@ -197,4 +217,5 @@ def server_settings(args, description: str):
         status_page=args.status_page,
         quantize=args.quantize,
         tensor_parallel_size=args.tensor_parallel_size,
+        max_video_decodes=video_decodes(args),
     )

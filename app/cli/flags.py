@@ -365,6 +365,20 @@ def add_clients_flags(group) -> None:
         "--max-video-seconds", type=_positive_float, default=60.0, metavar="SECONDS", help="length of one video"
     )
     group.add_argument(
+        "--video-decode-budget",
+        type=_duration,
+        default=3.5,
+        metavar="DURATION",
+        help="to scan and decode a request's videos, then 413; off: none (default: 3.5s)",
+    )
+    group.add_argument(
+        "--max-video-decodes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="requests' videos decoded at once (default: a quarter of the cores, at least 1)",
+    )
+    group.add_argument(
         "--image-max-pixels",
         type=_positive_int,
         default=None,

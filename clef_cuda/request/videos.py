@@ -22,9 +22,11 @@ it warns about); neither do we, so both spend the same tokens.
 Hostile files cost little and end in a 4xx: the container is told by its first bytes (MP4's ftyp box, WebM's EBML
 header) and opened as that format only, from memory (no path, no URL, no external reference); the header's size,
 codec and duration are checked before anything is decoded; the scan stops at the frame-count and duration limits;
-the decode is bounded by the frames it must run through times their pixels, and only the sampled frames are
-converted and resized, one at a time; a file cut short is refused (frames missing from its index, or ending before
-its header's duration). Nothing here opens a file or a URL.
+the decode is bounded by the frames it must run through times their pixels, and in time by the request's decode
+budget (VideoLimits.max_decode_seconds: a decoder's cost a pixel varies 4x between codecs, and a file corrupt at its
+end shows it only there); only the sampled frames are converted and resized, one at a time; a file cut short is
+refused (frames missing from its index, or ending before its header's duration). Only FFmpeg's errors about a file
+are the client's (a 422); any other exception is ours and propagates. Nothing here opens a file or a URL.
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ class VideoLimits:
     max_side: int = 8192
     max_frames: int = 14_400  # frames a scan counts (60 s at 240 fps)
     max_decoded_pixels: int = 1920 * 1080 * 30 * 60  # frames decoded x their pixels: a minute of 1080p30
+    # Wall seconds a request's videos may take to scan and decode, all of them together (--video-decode-budget;
+    # None: no budget). The pixel budget above does not bound the time: a decoder's cost a pixel varies 4x between
+    # codecs and encoder settings (x264 ultrafast to x265 with B-frames and SAO, benchmarks/video_worst_case.py),
+    # and a file corrupt at its end is only found there. 413 past it: with the ~1 s two 16 MiB clips take to arrive
+    # and be parsed, within the hostile-file target (a 4xx in 5 s).
+    max_decode_seconds: float | None = 3.5
+    decode_threads: int = 0  # FFmpeg's decoding threads for one video (0: FFmpeg's choice, the cores + 1)
 
     def check_count(self, count: int, loc: tuple = ("videos",)) -> None:
         if count > self.max_videos:
@@ -306,11 +315,13 @@ def _open(data: bytes, fmt: str):
 
 
 def _unreadable() -> tuple[type[BaseException], ...]:
-    """What PyAV raises for a file it cannot read (FFmpeg's errors; a ValueError for a pixel format it cannot
-    convert; an OSError from its I/O): a 422, never a 500. A function: av is imported only when videos come."""
+    """What PyAV raises about a file it cannot read: FFmpeg's errors (av.error.FFmpegError and its subclasses, which
+    are also ValueError or OSError), the client's 422. Nothing else: a ValueError or OSError of ours (the resize, the
+    grouping, torch) is our fault, a 500 with the traceback logged (app.decisions.frame), never the client's
+    'corrupt'. A function: av is imported only when videos come."""
     import av
 
-    return (av.error.FFmpegError, ValueError, OSError)
+    return (av.error.FFmpegError,)
 
 
 def _first_line(error: BaseException) -> str:
@@ -380,14 +391,29 @@ def scan_video(data: bytes, limits: VideoLimits, declared: str | None = None) ->
         raise VideoError("the video's frames have no duration")
     # A file cut short (or a damaged stretch the demuxer skipped) still scans as a shorter video: refused rather
     # than decided on part of what the client sent.
-    if indexed and packets < indexed:
-        raise VideoError(f"the file holds {packets} of the {indexed} frames its index lists (truncated or corrupt)")
+    check_index(indexed, packets)
     if header_seconds is not None and header_seconds - seconds > max(0.05, 1.5 * seconds / len(pts)):
         raise VideoError(
             f"the file's frames end at {seconds:.2f} s of the {header_seconds:.2f} s its header gives "
             "(truncated or corrupt)"
         )
     return VideoHeader(fmt, codec, width, height, len(pts), seconds, tuple(sorted(pts)))
+
+
+def _over_budget(decoded: int, through: int, limits: VideoLimits) -> str:
+    return (
+        f"decoding took over the {limits.max_decode_seconds:g} s this server gives a request's videos "
+        f"(--video-decode-budget), at frame {decoded} of the {through} it must decode: a shorter, smaller or "
+        "cheaper-to-decode clip fits"
+    )
+
+
+def check_index(indexed: int, packets: int) -> None:
+    """An MP4 whose sample table lists more frames than its file holds was cut short (or lost a stretch): refused.
+    The one check that sees a faststart MP4 (index first) with an audio track cut anywhere: its index is whole, and
+    the header's length is no check with two streams (tests/test_video_server.py)."""
+    if indexed and packets < indexed:
+        raise VideoError(f"the file holds {packets} of the {indexed} frames its index lists (truncated or corrupt)")
 
 
 def _too_long(seconds: float | None, limits: VideoLimits) -> str:
@@ -414,8 +440,15 @@ class PreparedVideo:
 _ROTATIONS = {0: 0, 90: 1, 180: 2, 270: 3, -90: 3, -180: 2, -270: 1}  # degrees -> numpy rot90's k
 
 
-def decode_video(data: bytes, header: VideoHeader, config: VideoProcessorConfig, limits: VideoLimits) -> PreparedVideo:
-    """The sampled frames decoded, resized, normalised and grouped, as the reference processes the same file."""
+def decode_video(
+    data: bytes,
+    header: VideoHeader,
+    config: VideoProcessorConfig,
+    limits: VideoLimits,
+    deadline: float | None = None,
+) -> PreparedVideo:
+    """The sampled frames decoded, resized, normalised and grouped, as the reference processes the same file.
+    `deadline` (time.perf_counter()'s clock): past it the decode stops, a 413 (the request's decode budget)."""
     import numpy as np
     from torchvision.transforms.v2 import InterpolationMode
     from torchvision.transforms.v2 import functional as tvF
@@ -438,11 +471,14 @@ def decode_video(data: bytes, header: VideoHeader, config: VideoProcessorConfig,
     with _open(data, header.format) as container:
         stream = container.streams.best("video")
         stream.thread_type = "AUTO"
+        stream.codec_context.thread_count = limits.decode_threads
         try:
             for frame in container.decode(stream):
                 decoded += 1
                 if decoded > header.frames + 16:
                     raise VideoError("the video decodes to more frames than its packets (corrupt)")
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise VideoError(_over_budget(decoded, through, limits), status=413)
                 stamp = frame.pts if frame.pts is not None else frame.dts
                 position = wanted.get(stamp)
                 if position is None or frames[position] is not None:
@@ -539,8 +575,11 @@ def load_videos(
     blobs: list[tuple[bytes, str | None]], config: VideoProcessorConfig, limits: VideoLimits
 ) -> list[PreparedVideo]:
     """A request's videos, collected within the byte limits (request_videos, clef_cuda.request.media): every one
-    scanned first (so a bad second video costs no decoding of the first), then each decoded. VideoError names the
-    video (1-based)."""
+    scanned first (so a bad second video costs no decoding of the first), then each decoded, all within the
+    request's decode budget (limits.max_decode_seconds, from the first scan). VideoError names the video
+    (1-based)."""
+    budget = limits.max_decode_seconds
+    deadline = time.perf_counter() + budget if budget is not None else None
     headers = []
     for number, (data, declared) in enumerate(blobs, start=1):
         try:
@@ -550,7 +589,7 @@ def load_videos(
     prepared = []
     for number, ((data, _), header) in enumerate(zip(blobs, headers, strict=True), start=1):
         try:
-            prepared.append(decode_video(data, header, config, limits))
+            prepared.append(decode_video(data, header, config, limits, deadline))
         except VideoError as error:
             raise VideoError(f"video {number}: {error}", error.status, ("videos", number - 1)) from error
     return prepared

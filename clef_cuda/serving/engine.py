@@ -93,6 +93,22 @@ class EngineConfig:
     selfcheck_interval: float | None = None
 
 
+class Admission:
+    """A place in the engine's queue, taken before a request's images and videos are decoded (Engine.admit), so a
+    request the queue would refuse gets its 503 before any decoding; submit() spends it, and leaving the `with`
+    block without a submit gives it back."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.held = True
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._engine._give_back(self)
+
+
 @dataclass
 class Ticket:
     """A submitted request: `future` resolves to the response body (or raises)."""
@@ -214,6 +230,7 @@ class Engine:
 
         self._lock = threading.Condition()
         self._queue: deque[tuple[Ticket, dict[str, Any]]] = deque()
+        self._admitted = 0  # places held by admissions not yet submitted (Engine.admit): they count as queued
         self._running: list[_Sequence] = []
         self._ids = itertools.count(1)
         self._accepting = True
@@ -297,6 +314,34 @@ class Engine:
             )
         return record, prepared
 
+    def admit(self) -> Admission:
+        """A place in the queue for a request about to be encoded (its media decoded): QueueFullError or
+        EngineStoppedError now, before that work, if submit would refuse it. Use as `with engine.admit() as
+        admission: ... engine.submit(..., admission=admission)`."""
+        with self._lock:
+            refusal = self._refusal(self._admitted)
+            if refusal is not None:
+                raise refusal
+            self._admitted += 1
+            return Admission(self)
+
+    def _give_back(self, admission: Admission) -> None:
+        with self._lock:
+            if admission.held:
+                admission.held = False
+                self._admitted -= 1
+
+    def _refusal(self, held_elsewhere: int) -> EngineStoppedError | QueueFullError | None:
+        """Why a new request cannot be queued now (under the lock): the GPU faulted, the engine stops, or the queue
+        with the places admissions hold (`held_elsewhere`) is full."""
+        if self.kernel_fault is not None:
+            return EngineStoppedError(f"the GPU faulted ({self.kernel_fault}); the server must restart")
+        if not self._accepting:
+            return EngineStoppedError("the server is shutting down")
+        if len(self._queue) + held_elsewhere >= self.config.max_queue:
+            return QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests)")
+        return None
+
     def submit(
         self,
         request: dict[str, Any],
@@ -306,12 +351,14 @@ class Engine:
         request_id: str = "",
         confidence: str | None = None,
         timeline: Timeline | None = None,
+        admission: Admission | None = None,
     ) -> Ticket:
         """Queue a record. `adapter`: a variant the caller acquired from self.adapters (the engine releases
         it when the request settles). Without a record, the request is encoded here and its `model` may
         name a variant. `request_id` is what the logs call it; `confidence` this request's confidence mode
         (answers.CONFIDENCE_MODES; None: config.confidence); `timeline`, when given, records its queue wait,
-        images, prefill chunks, head and shadow re-decision (clef_cuda.serving.timeline)."""
+        images, prefill chunks, head and shadow re-decision (clef_cuda.serving.timeline); `admission`, the queue place
+        admit() gave it (spent here, queued or refused)."""
         if record is None:
             if adapter is None and self.adapters is not None:
                 adapter = self.adapters.acquire(request.get("model"))
@@ -341,13 +388,11 @@ class Engine:
             timeline=timeline,
         )
         with self._lock:
-            refusal = None
-            if self.kernel_fault is not None:
-                refusal = EngineStoppedError(f"the GPU faulted ({self.kernel_fault}); the server must restart")
-            elif not self._accepting:
-                refusal = EngineStoppedError("the server is shutting down")
-            elif len(self._queue) >= self.config.max_queue:
-                refusal = QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests)")
+            spent = admission is not None and admission.held
+            if spent:  # its place, counted since admit(): the queue and the places held never pass max_queue
+                admission.held = False
+                self._admitted -= 1
+            refusal = self._refusal(0 if spent else self._admitted)
             if refusal is None:
                 self._queue.append((ticket, request))
                 self._lock.notify()
