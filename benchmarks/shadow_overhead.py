@@ -55,7 +55,9 @@ def main() -> int:
     }
 
     def run(mode: str) -> tuple[list[float], dict]:
-        engine = Engine(decider, EngineConfig(max_model_len=8192, kv_fraction=0.05, shadow=shadows[mode]))
+        engine = Engine(
+            decider, EngineConfig(max_model_len=8192, allow_long_context=True, kv_fraction=0.05, shadow=shadows[mode])
+        )
         engine.start()
         try:
 

@@ -90,7 +90,9 @@ def run(
     decider = Decider.from_release(release, device="cpu", dtype=dtype, progress=False, ops=fault, quantize=quantize)
     if fault is not None and fault.kind == "int8_scale_off":
         fault.bind(decider.trunk)
-    config = EngineConfig(max_model_len=8192, kv_fraction=0.05, shadow=ShadowConfig(rate=1.0, mode="warn"))
+    config = EngineConfig(
+        max_model_len=8192, allow_long_context=True, kv_fraction=0.05, shadow=ShadowConfig(rate=1.0, mode="warn")
+    )
     engine = Engine(decider, config)
     if head_fault is not None:
         head_fault.attach(engine)

@@ -76,7 +76,9 @@ def measure(release_path: Path, requests: list[dict], device: str, dtype: torch.
     from clef_cuda.verification.shadow import ShadowConfig
 
     decider = Decider.from_release(release_path, device=device, dtype=dtype, progress=False)
-    config = EngineConfig(max_model_len=8192, kv_fraction=0.05, shadow=ShadowConfig(rate=1.0, mode="warn"))
+    config = EngineConfig(
+        max_model_len=8192, allow_long_context=True, kv_fraction=0.05, shadow=ShadowConfig(rate=1.0, mode="warn")
+    )
     registry = None
     if any(r.get("model") == "tuned" for r in requests):  # the test mix's LoRA variant
         from adapter_fixtures import checkpoint

@@ -12,13 +12,14 @@ One record at a time, prefilled in chunks through the trunk's paged/slot caches;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from clef_cuda.model.config import ReleaseConfig, load_release_config
+from clef_cuda.model.config import ReleaseConfig, context_length, load_release_config, past_training
 from clef_cuda.model.footprint import resident_weights
 from clef_cuda.model.head import JointSchemaHead, RecordLayout
 from clef_cuda.model.trunk import ChunkBatch, SequenceChunk, Trunk
@@ -46,11 +47,15 @@ from clef_cuda.request.videos import (
 )
 
 DEFAULT_BLOCK_SIZE = 16
+log = logging.getLogger("clef_cuda.decider")
 
 
 @dataclass(frozen=True)
 class DecisionOptions:
-    max_length: int = 16384  # token budget per record (the reference's limit)
+    # Token budget per record; None: the reference's 16384, or the release's max_position_embeddings when fewer.
+    # Past the release's, only with allow_long_context (clef_cuda.model.config.context_length).
+    max_length: int | None = None
+    allow_long_context: bool = False
     state_overflow: str = "reject"  # or "truncate": keep the head of the state (the reference's behaviour)
     confidence: str = "clef"  # or "typesafe"
     chunk_size: int = 2048  # prefill chunk (tokens per trunk step): bounds activation memory
@@ -115,8 +120,12 @@ class Decider:
     ) -> None:
         if options.confidence not in answers.CONFIDENCE_MODES:
             raise ValueError(f"confidence must be one of {answers.CONFIDENCE_MODES}, got {options.confidence!r}")
-        if options.chunk_size <= 0 or options.max_length <= 0:
-            raise ValueError("chunk_size and max_length must be positive")
+        if options.chunk_size <= 0:
+            raise ValueError("chunk_size must be positive")
+        max_length = context_length(config.trunk, options.max_length, options.allow_long_context)
+        options = replace(options, max_length=max_length)
+        if warning := past_training(config.trunk, max_length):
+            log.warning(warning)
         if tokenizer.client_special_tokens != options.client_special_tokens:
             raise ValueError(
                 f"the tokenizer treats special tokens in client text as {tokenizer.client_special_tokens!r}, "

@@ -63,6 +63,21 @@ class GatedEngine(Engine):
         super()._admit()
 
 
+class PausingEngine(Engine):
+    """Once `pausing` is set, waits for `resume` after each trunk step that leaves a record mid-prefill (the warm-up
+    decision at start runs unpaused): a test looks at the server while a long record is being prefilled."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pausing, self.paused, self.resume = threading.Event(), threading.Event(), threading.Event()
+
+    def _step(self):
+        super()._step()
+        if self.pausing.is_set() and self._running:
+            self.paused.set()
+            self.resume.wait(60)
+
+
 @contextlib.contextmanager
 def resident_growth(process: psutil.Process, every: float = 0.01) -> Iterator[list[float]]:
     """MiB of `process`'s resident memory above its level on entry at its peak while the block runs, sampled every

@@ -46,7 +46,9 @@ def registry_with(decider, *names: str, **options) -> AdapterRegistry:
 
 
 def make_engine(decider, registry=None, **config) -> Engine:
-    defaults = dict(max_model_len=8192, kv_fraction=0.02, prefill_chunk_size=256, min_snapshot_tokens=32)
+    defaults = dict(
+        max_model_len=8192, allow_long_context=True, kv_fraction=0.02, prefill_chunk_size=256, min_snapshot_tokens=32
+    )
     return Engine(decider, EngineConfig(**(defaults | config)), registry)
 
 

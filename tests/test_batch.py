@@ -35,7 +35,9 @@ def decider():
 
 
 def make_app(decider, **config):
-    defaults = dict(max_num_seqs=4, prefill_chunk_size=256, max_model_len=8192, kv_fraction=0.2)
+    defaults = dict(
+        max_num_seqs=4, prefill_chunk_size=256, max_model_len=8192, allow_long_context=True, kv_fraction=0.2
+    )
     return create_app(
         ServerSettings(max_body_bytes=100_000), engine=Engine(decider, EngineConfig(**(defaults | config)))
     )
@@ -349,7 +351,9 @@ def test_a_verification_refusal_stops_the_run_and_the_rerun_asks_the_rest(
     from app.cli import batch as batch_command
 
     engines, asked = [], []
-    config = EngineConfig(max_num_seqs=4, prefill_chunk_size=256, max_model_len=8192, kv_fraction=0.2)
+    config = EngineConfig(
+        max_num_seqs=4, prefill_chunk_size=256, max_model_len=8192, allow_long_context=True, kv_fraction=0.2
+    )
 
     class CountingEngine(Engine):
         def submit(self, request, *args, **kwargs):

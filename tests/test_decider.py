@@ -13,7 +13,7 @@ from conftest import cuda_available
 from faults import KeyBandZeroedOps
 from parity import PARITY_BOUND, assert_response_matches, reference_response
 from random_requests import features, random_request
-from releases import mid_release, reference_model, tiny_release
+from releases import TINY_PAST_TRAINING, mid_release, reference_model, tiny_release
 
 from clef_cuda import Decider
 from clef_cuda.errors import RequestError, RequestTooLongError
@@ -92,7 +92,8 @@ def assert_same_response(ours: dict, reference, request: dict, **options) -> Non
 @pytest.fixture(scope="module")
 def tiny():
     path = tiny_release()
-    return Decider.from_release(path, device="cpu", progress=False, chunk_size=96), reference_model(path)
+    decider = Decider.from_release(path, device="cpu", progress=False, chunk_size=96, **TINY_PAST_TRAINING)
+    return decider, reference_model(path)
 
 
 @pytest.fixture(scope="module")

@@ -492,7 +492,14 @@ def test_a_model_that_cannot_fit_is_refused_at_start_up_in_one_line(shadow):
     """A 100M-token record: no KV cache holds it, and a shadow run's reference attention over it would need tens of
     GiB (one KV head's keys in fp32 alone): the refusal names what does not fit."""
     result = clef_serve(
-        "--w", str(RELEASES["mid"]()), "--d", "cpu", "--max-model-len", "100000000", "--shadow-mode", shadow
+        "--w",
+        str(RELEASES["mid"]()),
+        "--d",
+        "cpu",
+        "--max-model-len",
+        "100000000",
+        "--allow-long-context",
+        *("--shadow-mode", shadow),
     )
     assert result.returncode == 2, result.stderr
     (line,) = [line for line in result.stderr.splitlines() if "error" in line]

@@ -45,7 +45,9 @@ def decider(ops=None) -> Decider:
 
 
 def engine_with(d: Decider, registry=None, **shadow) -> Engine:
-    config = EngineConfig(max_model_len=8192, kv_fraction=0.05, shadow=ShadowConfig(**({"rate": 1.0} | shadow)))
+    config = EngineConfig(
+        max_model_len=8192, allow_long_context=True, kv_fraction=0.05, shadow=ShadowConfig(**({"rate": 1.0} | shadow))
+    )
     return Engine(d, config, registry)
 
 
@@ -582,7 +584,12 @@ def test_a_fault_in_what_the_head_read_is_caught_in_f16_and_bf16(kind, dtype):
     from shadow_tolerance import decide_each_and_wait
 
     d = Decider.from_release(tiny_release(), device="cpu", dtype=power.DTYPES[dtype], progress=False)
-    engine = Engine(d, EngineConfig(max_model_len=8192, kv_fraction=0.05, shadow=ShadowConfig(rate=1.0, mode="warn")))
+    engine = Engine(
+        d,
+        EngineConfig(
+            max_model_len=8192, allow_long_context=True, kv_fraction=0.05, shadow=ShadowConfig(rate=1.0, mode="warn")
+        ),
+    )
     results = judged(engine)
     fault = HeadReadFault(kind, 0.02).attach(engine)
     engine.start()

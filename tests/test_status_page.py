@@ -1,8 +1,9 @@
 """The status page (GET /, app/static/) in a real headless Chromium (Debian's chromium and chromium-driver, driven by
 selenium): it loads with no console error and no request off the host, shows the model, readiness, the self-check's
-and the autotune's tables; its form returns the probabilities the API returns for the same request, a 401
-without the key is shown as such, and the key typed in is kept in the page's memory alone (no web storage, cookie,
-IndexedDB or URL holds it after a decision). The page's headers and --no-status-page are checked in-process.
+and the autotune's tables, a record being prefilled and how far along; its form returns the probabilities the API
+returns for the same request, a 401 without the key is shown as such, and the key typed in is kept in the page's
+memory alone (no web storage, cookie, IndexedDB or URL holds it after a decision). The page's headers and
+--no-status-page are checked in-process.
 
 CLEF_STATUS_SCREENSHOT=path writes the page's screenshot there once it shows an answer (docs/status-page.png is one)."""
 
@@ -11,15 +12,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from live import ClefServe, wait_until
+from live import ClefServe, PausingEngine, live_server, wait_until
 
 from app.server import ServerSettings, create_app
+from clef_cuda import Decider
+from clef_cuda.model.default_model import default_release
+from clef_cuda.serving.engine import EngineConfig
 
 KEY = "status-page-key"
 
@@ -120,6 +125,37 @@ def test_the_page_loads_from_this_host_alone_and_shows_the_server(served, browse
     urls = requested_urls(browser)
     assert {"/", "/static/status.js", "/static/status.css", "/status"} <= {urlsplit(u).path for u in urls}
     assert all(urlsplit(u).netloc == host for u in urls if not u.startswith("data:")), urls
+
+
+def test_the_page_shows_a_record_being_prefilled_and_how_far_along(browser):
+    """A record held mid-prefill (PausingEngine) is a row of "Deciding now": its request id, tokens prefilled (with
+    the share) of its total; gone from the page once answered."""
+    decider = Decider.from_release(default_release(), device="cpu", progress=False)
+    engine = PausingEngine(decider, EngineConfig(kv_fraction=0.02, prefill_chunk_size=32))
+    request = {"model": "clef-tiny", "state": "word " * 200, "questions": {"q": {"type": "noul"}}}
+    with live_server(engine, ServerSettings(served_model_name="clef-tiny")) as (url, _):
+        engine.pausing.set()
+        post = threading.Thread(
+            target=lambda: httpx.post(
+                url + "/v1/systemone", json=request, headers={"X-Request-Id": "page-1"}, timeout=120
+            )
+        )
+        post.start()
+        try:
+            assert engine.paused.wait(60), "the record never started"
+            browser.get(url + "/")
+            rows = lambda: browser.find_elements("css selector", '#progress-table tbody tr[data-request="page-1"]')  # noqa: E731
+            wait_until(rows, "the page to show the record mid-prefill", timeout=30)
+            (total,) = [p["tokens_total"] for p in engine.prefills()]
+            cells = [cell.text for cell in rows()[0].find_elements("css selector", "td")]
+            assert cells[:3] == ["page-1", f"32 ({100 * 32 / total:.0f}%)", f"{total:,}"], cells
+            assert text(browser, "progress-summary") == "1 running"
+        finally:
+            engine.pausing.clear()
+            engine.resume.set()
+            post.join(120)
+        wait_until(lambda: not rows(), "the answered record to leave the page", timeout=30)
+        assert text(browser, "progress-summary") == "nothing running"
 
 
 def test_the_form_shows_the_apis_probabilities_and_a_401_without_the_key(served, browser):

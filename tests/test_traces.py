@@ -122,6 +122,9 @@ def test_a_decision_is_a_span_with_its_engine_steps_in_the_clients_trace(traced)
     assert set(by_name) == {"encode", "queue", "prefill", "head", "shadow"}, sorted(by_name)
     assert len(by_name["prefill"]) == math.ceil(tokens / 64)  # each chunk of --prefill-chunk-size 64
     assert sum(attributes(span)["clef.tokens"] for span in by_name["prefill"]) == tokens
+    # each chunk says how far along the record it is: its first position of the record's total
+    progress = sorted((attributes(s)["clef.position"], attributes(s)["clef.tokens_total"]) for s in by_name["prefill"])
+    assert progress == [(64 * i, tokens) for i in range(len(progress))]
     (shadow,) = by_name["shadow"]
     assert attributes(shadow)["clef.verdict"] == "match"
     for span in children:

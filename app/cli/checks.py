@@ -17,7 +17,7 @@ def check_before_loading(args, parser, log) -> tuple[int | None, str]:
     model when it is absent."""
     from clef_cuda.errors import ReleaseError
     from clef_cuda.model.adapters import AdapterError
-    from clef_cuda.model.config import load_release_config
+    from clef_cuda.model.config import context_length, load_release_config, past_training
     from clef_cuda.model.weights import check_not_prequantized
 
     try:
@@ -40,7 +40,11 @@ def check_before_loading(args, parser, log) -> tuple[int | None, str]:
             log.warning("!" * 100)
             log.warning(default_model.NOTICE)
             log.warning("!" * 100)
-        check_adapters(args, load_release_config(args.weights))
+        release = load_release_config(args.weights)
+        args.max_model_len = context_length(release.trunk, args.max_model_len, args.allow_long_context)
+        if args.plan and (warning := past_training(release.trunk, args.max_model_len)):
+            log.warning(warning)  # a start warns from the Decider as it loads; --plan loads nothing
+        check_adapters(args, release)
         check_tensor_parallel(args, load_release_config(args.weights), log)
         check_not_prequantized(args.weights, load_release_config(args.weights).fp8_block_size)
         if dtype_line:

@@ -243,7 +243,16 @@ def add_memory_flags(group) -> None:
         "--prefill-chunk-size", type=_positive_int, default=1024, metavar="TOKENS", help="new tokens a record a step"
     )
     group.add_argument(
-        "--max-model-len", type=_positive_int, default=16384, metavar="TOKENS", help="token budget of one record"
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="token budget of one record (default: 16384, or the release's max_position_embeddings when fewer)",
+    )
+    group.add_argument(
+        "--allow-long-context",
+        action="store_true",
+        help="a --max-model-len past the release's max_position_embeddings (positions past training: extrapolation)",
     )
     group.add_argument("--block-size", type=_positive_int, default=16, metavar="TOKENS", help="tokens per KV block")
     group.add_argument("--disable-prefix-cache", action="store_true", help="turn the prefix cache off")

@@ -80,6 +80,8 @@ async def status(request: Request) -> Response:
         "autotune": lifecycle.autotune.to_json() if lifecycle.autotune is not None else None,
         "shadow": None,
         "recent": context.recent.summary(),
+        "prefills": [],  # the running records' progress (Engine.prefills)
+        "queued": 0,
     }
     if engine is not None:
         body["device"], body["dtype"] = (
@@ -87,6 +89,7 @@ async def status(request: Request) -> Response:
             str(engine.decider.trunk.dtype).removeprefix("torch."),
         )
         body["variants"] = engine.adapters.names() if engine.adapters is not None else []
+        body["prefills"], body["queued"] = engine.prefills(), engine.queue_depth
         stats = engine.shadow.stats
         body["shadow"] = {
             "verified": stats.match + stats.marginal + stats.mismatch,

@@ -75,8 +75,29 @@ function renderStatus(status) {
     ["dropped", shadow.dropped],
     ["sampled", `${(100 * shadow.rate).toFixed(1)}% of answered records`],
   ]);
+  renderProgress(status.prefills, status.queued);
   renderSelfcheck(status.selfcheck);
   renderAutotune(status.autotune);
+}
+
+// The running records' prefill progress (a long record's takes minutes), one row each (data-request for tests).
+function renderProgress(prefills, queued) {
+  const body = $("progress-table").tBodies[0];
+  body.replaceChildren();
+  const waiting = queued ? `; ${queued} waiting` : "";
+  $("progress-summary").textContent = prefills.length ? `${prefills.length} running${waiting}` : `nothing running${waiting}`;
+  for (const p of prefills) {
+    const row = element("tr");
+    row.dataset.request = p.request_id;
+    const share = p.tokens_total ? ` (${((100 * p.tokens_prefilled) / p.tokens_total).toFixed(0)}%)` : "";
+    row.append(
+      element("td", p.request_id),
+      element("td", `${p.tokens_prefilled.toLocaleString("en-US")}${share}`),
+      element("td", p.tokens_total.toLocaleString("en-US")),
+      element("td", p.seconds.toFixed(1)),
+    );
+    body.append(row);
+  }
 }
 
 function renderSelfcheck(report) {

@@ -44,6 +44,9 @@ class TrunkConfig:
     # (frequency j follows H if j % 3 == 1 and j < 3 * section[1], W if j % 3 == 2 and j < 3 * section[2],
     # else T). Text-only tokens have three equal positions: plain 1-D RoPE.
     mrope_section: tuple[int, int, int] = (11, 11, 10)
+    # The positions the release was trained to (text_config.max_position_embeddings; transformers' default when
+    # absent): the ceiling of a record's length, past which positions are extrapolation (context_length).
+    max_position_embeddings: int = 32768
 
     @property
     def num_layers(self) -> int:
@@ -251,6 +254,7 @@ def _trunk_config(text: dict[str, Any], top: dict[str, Any], path: Path, where: 
         linear_conv_kernel_dim=conv_kernel,
         tie_word_embeddings=bool(tie),
         mrope_section=tuple(section),
+        max_position_embeddings=f.positive_int("max_position_embeddings", 32768),
     )
 
 
@@ -367,6 +371,41 @@ def load_fp8_block_size(data: dict[str, Any], path: Path) -> tuple[int, int] | N
             "(weight_block_size), and quantizes them itself (--quantize int8)"
         )
     return found
+
+
+# A record's token budget when none is asked for: the reference's (`systemone(..., max_length=16384)`), or the
+# positions the release was trained to when those are fewer.
+DEFAULT_MAX_MODEL_LEN = 16384
+
+
+def context_length(trunk: TrunkConfig, requested: int | None, allow_long_context: bool = False) -> int:
+    """The token budget of one record (--max-model-len): `requested`, or DEFAULT_MAX_MODEL_LEN capped at the
+    release's max_position_embeddings. The release's limit is the ceiling: past it, positions are extrapolation
+    the model never saw in training, so a larger `requested` is a ValueError naming both numbers unless
+    allow_long_context (--allow-long-context, vLLM's convention; the caller warns: past_training)."""
+    trained = trunk.max_position_embeddings
+    if requested is None:
+        return min(DEFAULT_MAX_MODEL_LEN, trained)
+    if requested <= 0:
+        raise ValueError(f"the maximum model length must be positive, got {requested}")
+    if requested > trained and not allow_long_context:
+        raise ValueError(
+            f"--max-model-len {requested} is over the release's max_position_embeddings ({trained}), the "
+            "positions it was trained to; --allow-long-context serves it anyway (positions past training are "
+            "extrapolation)"
+        )
+    return requested
+
+
+def past_training(trunk: TrunkConfig, length: int) -> str | None:
+    """The warning for a record budget past the release's training positions (None within them)."""
+    trained = trunk.max_position_embeddings
+    if length <= trained:
+        return None
+    return (
+        f"--allow-long-context: records of up to {length} tokens on a release trained to {trained} positions; "
+        f"positions {trained} to {length - 1} are extrapolation, answers there are not what the model was trained on"
+    )
 
 
 def load_release_config(model_dir: str | Path) -> ReleaseConfig:

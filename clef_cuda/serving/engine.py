@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ import torch
 from clef_cuda.decider import Decider, record_chunk
 from clef_cuda.errors import ClefError, RequestTooLongError
 from clef_cuda.model.adapters import Adapter, AdapterBatch, AdapterRegistry
+from clef_cuda.model.config import context_length, past_training
 from clef_cuda.model.fingerprint import CountSketch, Fingerprint, LayerProbe, sketch_positions
 from clef_cuda.model.head import HeadInputs, RecordLayout
 from clef_cuda.model.trunk import ChunkBatch
@@ -72,7 +73,10 @@ class RequestCancelledError(ClefError):
 class EngineConfig:
     max_num_seqs: int = 4
     prefill_chunk_size: int = 1024
-    max_model_len: int = 16384
+    # Token budget of one record; None: the decider's (clef_cuda.model.config.context_length: the reference's
+    # 16384, or the release's max_position_embeddings when fewer). Past the release's only with allow_long_context.
+    max_model_len: int | None = None
+    allow_long_context: bool = False
     block_size: int = 16
     kv_fraction: float = 0.30
     prefix_cache: bool = True
@@ -183,6 +187,13 @@ class Engine:
     ) -> None:
         if config.max_num_seqs < 1 or config.prefill_chunk_size < 1 or config.block_size < 1:
             raise ValueError("max_num_seqs, prefill_chunk_size and block_size must be positive")
+        trunk = decider.config.trunk
+        if config.max_model_len is None:
+            config = replace(config, max_model_len=decider.options.max_length)
+        else:
+            length = context_length(trunk, config.max_model_len, config.allow_long_context)
+            if (warning := past_training(trunk, length)) and length > decider.options.max_length:
+                log.warning(warning)  # the decider warned of its own budget already
         self.decider, self.config, self.adapters = decider, config, adapters
         reserved = 0
         if adapters is not None:  # room for the variants still to come; the loaded ones hold theirs already
@@ -438,6 +449,22 @@ class Engine:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    def prefills(self) -> list[dict[str, Any]]:
+        """The running records' progress, oldest first: the request id, tokens prefilled of the record's total (those
+        taken from the prefix cache count as prefilled), and seconds since admission (what /status shows: a
+        262,144-token prefill takes minutes)."""
+        now = time.perf_counter()
+        return [
+            {
+                "request_id": seq.ticket.request_id,
+                "tokens_prefilled": seq.position,
+                "tokens_total": seq.record.num_tokens,
+                "cached_tokens": seq.cached_tokens,
+                "seconds": round(now - seq.started, 3),
+            }
+            for seq in list(self._running)
+        ]
 
     def cache_usage(self) -> float:
         """0..1, what inference routers balance on: max(KV blocks live sequences hold / all blocks, running
@@ -835,7 +862,13 @@ class Engine:
         for seq, size in packed:
             if seq.ticket.timeline is not None:  # the step's time: the chunk ran with the others packed beside it
                 seq.ticket.timeline.add(
-                    "prefill", started_ns, tokens=size, position=seq.position, records=len(packed), step=self.steps
+                    "prefill",
+                    started_ns,
+                    tokens=size,
+                    position=seq.position,
+                    tokens_total=seq.record.num_tokens,  # with position: how far along the record is
+                    records=len(packed),
+                    step=self.steps,
                 )
             if seq.fingerprint is not None:  # what the head reads of each row, for the shadow's head check
                 seq.fingerprint.record_output(seq.position, hidden[offset : offset + size], self.sketch, seq.head)

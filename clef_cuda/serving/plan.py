@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from clef_cuda.model.config import ReleaseConfig, TrunkConfig, VisionConfig
+from clef_cuda.model.config import ReleaseConfig, TrunkConfig, VisionConfig, context_length
 from clef_cuda.model.footprint import (
     dtype_bytes,
     largest_quantized_weight,
@@ -364,6 +364,8 @@ def plan_serving(
     activations on its rank only (tower_rank). The vision cache is device memory on one card; under tensor
     parallel the features come back to rank 0's host memory and the cache keeps them there."""
     release = Path(release)
+    if engine_config.max_model_len is None:  # the engine's default: the release's, as Engine resolves it
+        engine_config = dataclasses.replace(engine_config, max_model_len=context_length(config.trunk, None))
     release_vision = release_has_vision(config, release_headers(release))
     has_vision = release_vision and rank == tower_rank(ranks)
     weights = planned_weights(
