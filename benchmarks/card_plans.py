@@ -3,8 +3,9 @@
 `clef-serve --plan --gpu-memory ...` prints) at clef-flash's shapes for the capacity torch reports for the card
 (cited per card below), with and without int8 weights, the vocabulary tables on the device or, where only that
 fits, in host memory (--vocab-tables auto), and the attention kernels its compute capability and shared memory
-give it (the launcher's own tile rule, clef_cuda.kernels.ops.paged_attention_tiles). No weights are needed: a
-config-only release is written to a temporary directory. Prints a table.
+give it (the launcher's own tile rule, clef_cuda.kernels.ops.paged_attention_tiles); then the longest record each
+card's plan fits (up to the trained 262,144 tokens) with each set of flags, and the --kv-fraction that gets it. No
+weights are needed: a config-only release is written to a temporary directory. Prints two tables.
 
     python benchmarks/card_plans.py
 """
@@ -51,6 +52,7 @@ CARDS = [
     ("H100 80GB", 79.11, 90, 227, "bf16", "github.com/vllm-project/vllm/issues/27508"),
 ]
 DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+FRACTIONS = (0.30, 0.50, 0.70, 0.80, 0.90, 0.95)  # the --kv-fraction values the longest-record table tries
 
 
 def main() -> int:
@@ -100,6 +102,45 @@ def main() -> int:
                 f"{name:18s} {gib:>6.2f} {cc:>3d} {dtype:>5s} {cell(stored):>30s} {cell(int8):>30s}  "
                 f"{ops.paged_attention_tiles(256, cc, smem * 1024)}"
             )
+
+        def longest(card_gib: float, dtype: str, quantize: str, tables: str, **engine) -> tuple[int, float] | None:
+            """The longest record the plan fits on the card with these flags, up to 262,144 tokens, and the
+            --kv-fraction that gets it (the smallest of FRACTIONS that does: past some fraction a step's activations
+            no longer fit beside the cache)."""
+            best = None
+            for fraction in FRACTIONS:
+
+                def fits(n: int, fraction: float = fraction) -> bool:
+                    return plan(card_gib, dtype, quantize, tables, max_model_len=n, kv_fraction=fraction, **engine).fits
+
+                if not fits(16):
+                    continue
+                low, high = 16, 262_144
+                if fits(high):
+                    low = high
+                while high - low > 16:  # bisect to a block
+                    mid = (low + high) // 32 * 16
+                    low, high = (mid, high) if fits(mid) else (low, mid)
+                if best is None or low > best[0]:
+                    best = (low, fraction)
+            return best
+
+        def length(found) -> str:
+            return "none" if found is None else f"{found[0]:,} at {found[1]:.2f}"
+
+        print(
+            "\nthe longest clef-flash record the plan fits, up to 262,144 tokens (f16 KV cache), and its --kv-fraction"
+        )
+        settings = [
+            ("weights as stored", "none", "device", {}),
+            ("--quantize int8", "int8", "device", {}),
+            ("int8, host tables", "int8", "host", {}),
+            ("int8, host tables, 1 seq", "int8", "host", {"max_num_seqs": 1}),
+        ]
+        print(f"{'card':18s} {'GiB':>6s} " + " ".join(f"{title:>26s}" for title, *_ in settings))
+        for name, gib, _, _, dtype, _ in CARDS:
+            cells = [length(longest(gib, dtype, q, tables, **engine)) for _, q, tables, engine in settings]
+            print(f"{name:18s} {gib:>6.2f} " + " ".join(f"{cell:>26s}" for cell in cells))
         print("\ncapacities: " + "; ".join(f"{name} {gib} GiB ({source})" for name, gib, _, _, _, source in CARDS))
     return 0
 

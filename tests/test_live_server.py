@@ -10,10 +10,11 @@ import sys
 
 import pytest
 from live import live_server, wait_until
-from releases import clef_config_release, flash_config_release, tiny_release
+from releases import TINY_PAST_TRAINING, clef_config_release, flash_config_release, tiny_release
 
 from app.server import ServerSettings
 from clef_cuda import Decider
+from clef_cuda.model.config import context_length, load_release_config
 from clef_cuda.serving.engine import Engine, EngineConfig
 
 KEY = "sdk-test-key"
@@ -21,10 +22,11 @@ KEY = "sdk-test-key"
 
 @pytest.fixture(scope="module")
 def engine_factory():
-    decider = Decider.from_release(tiny_release(), device="cpu", progress=False)
+    decider = Decider.from_release(tiny_release(), device="cpu", progress=False, **TINY_PAST_TRAINING)
+    defaults = {"max_model_len": 8192, "allow_long_context": True, "kv_fraction": 0.05}
 
     def make(**config):
-        return Engine(decider, EngineConfig(**({"max_model_len": 8192, "kv_fraction": 0.05} | config)))
+        return Engine(decider, EngineConfig(**(defaults | config)))
 
     return make
 
@@ -131,7 +133,7 @@ def test_bad_model_directory_is_a_one_line_error(tmp_path):
     assert "config.json: field 'model_type' is 'llama'" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-def test_seed_deployment_arguments_parse():
+def test_seed_deployment_arguments_parse(tmp_path):
     from app.cli.flags import build_parser
 
     seed = [
@@ -153,7 +155,8 @@ def test_seed_deployment_arguments_parse():
     args = build_parser().parse_args(seed)
     assert (args.weights, args.device, args.dtype, args.port) == ("/mnt/models/clef-flash", "0", "f16", 8080)
     assert (args.max_num_seqs, args.kv_fraction, args.prefill_chunk_size) == (4, 0.30, 1024)
-    assert not args.disable_prefix_cache and args.max_model_len == 16384
+    assert not args.disable_prefix_cache and args.max_model_len is None  # the release's limit, resolved at start
+    assert context_length(load_release_config(flash_config_release(tmp_path / "flash")).trunk, None) == 16384
     assert (args.selfcheck, args.log_format, args.client_special_tokens) == ("enforce", "text", "control")
 
 

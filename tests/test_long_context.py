@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -10,7 +11,7 @@ import threading
 import httpx
 import pytest
 from live import PausingEngine, live_server
-from releases import tiny_release
+from releases import flash_config_release, tiny_release
 
 from app.server import ServerSettings
 from clef_cuda import Decider
@@ -107,3 +108,46 @@ def test_a_prefill_in_progress_shows_in_status_with_its_request_id_and_tokens(ti
         assert answered["response"].status_code == 200, answered["response"].text
         assert answered["response"].json()["usage"]["input_tokens"] == running["tokens_total"]
         assert httpx.get(url + "/status").json()["prefills"] == []
+
+
+SEED_CARD = ("--quantize", "int8", "--vocab-tables", "host", "--gpu-memory", "15.75GiB")  # V100 16GB, as torch reports
+
+
+def plan_line(*args: str) -> tuple[int, str]:
+    result = clef_serve(*args)
+    (line,) = [line for line in result.stdout.splitlines() if line.strip().startswith("fits:")]
+    return result.returncode, line
+
+
+@pytest.mark.parametrize("kv_fraction", ["0.30", "0.95"])
+def test_a_record_that_cannot_fit_is_told_the_longest_that_does_and_that_advice_works(tmp_path, kv_fraction):
+    """The seed's card, clef-flash int8 with host tables and an f16 cache: one 262,144-token record fits at no
+    --kv-fraction (0.95 leaves a step's activations too little): the plan says so, the longest record that fits
+    and at what fraction; that record, planned with that fraction, fits."""
+    flash = str(flash_config_release(tmp_path / "flash"))
+    code, line = plan_line(
+        "--w", flash, "--plan", *SEED_CARD, "--max-model-len", "262144", "--kv-fraction", kv_fraction
+    )
+    assert code == 3 and re.search(r"no --kv-fraction up to 0\.[0-9]+ .* holds one", line), line
+    advice = re.search(r"at --kv-fraction ([0-9.]+).* the longest record that fits is (\d+) tokens", line)
+    assert advice, line
+    fraction, longest = advice.groups()
+    assert float(fraction) <= float(kv_fraction) and 16_384 < int(longest) < 262_144
+    assert "--tensor-parallel-size 2" in line and "--quantize int8" not in line  # int8 is on already
+    code, line = plan_line("--w", flash, "--plan", *SEED_CARD, "--max-model-len", longest, "--kv-fraction", fraction)
+    assert code == 0 and line.strip() == "fits: yes", line
+    code, line = plan_line(
+        *("--w", flash, "--plan", *SEED_CARD, "--max-model-len", str(int(longest) + 16 * 64)),
+        *("--kv-fraction", fraction),
+    )
+    assert code == 3, line  # the longest is the longest (a few blocks more do not fit)
+
+
+def test_where_a_larger_fraction_holds_the_record_the_plan_names_it_and_it_fits(tmp_path):
+    flash = str(flash_config_release(tmp_path / "flash"))
+    card = ("--quantize", "int8", "--gpu-memory", "31.73GiB")  # V100 32GB
+    code, line = plan_line("--w", flash, "--plan", *card, "--max-model-len", "262144", "--kv-fraction", "0.30")
+    fraction = re.search(r"--kv-fraction ([0-9.]+) holds one", line)
+    assert code == 3 and fraction, line
+    code, line = plan_line("--w", flash, "--plan", *card, "--max-model-len", "262144", "--kv-fraction", fraction[1])
+    assert code == 0, line

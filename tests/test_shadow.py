@@ -24,7 +24,7 @@ from images import data_url, png
 from live import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from random_requests import random_request
-from releases import tiny_release
+from releases import TINY_PAST_TRAINING, tiny_release
 
 from app.server import ServerSettings, create_app
 from clef_cuda import Decider
@@ -41,7 +41,7 @@ LONG = {"model": "clef-flash", "state": LONG_STATE, "questions": {"late": {"type
 
 
 def decider(ops=None) -> Decider:
-    return Decider.from_release(tiny_release(), device="cpu", progress=False, ops=ops)
+    return Decider.from_release(tiny_release(), device="cpu", progress=False, ops=ops, **TINY_PAST_TRAINING)
 
 
 def engine_with(d: Decider, registry=None, **shadow) -> Engine:

@@ -247,12 +247,10 @@ def add_memory_flags(group) -> None:
         type=_positive_int,
         default=None,
         metavar="TOKENS",
-        help="token budget of one record (default: 16384, or the release's max_position_embeddings when fewer)",
+        help="token budget of one record (default: 16384, or the release's limit if less)",
     )
     group.add_argument(
-        "--allow-long-context",
-        action="store_true",
-        help="a --max-model-len past the release's max_position_embeddings (positions past training: extrapolation)",
+        "--allow-long-context", action="store_true", help="--max-model-len past the release's limit (extrapolation)"
     )
     group.add_argument("--block-size", type=_positive_int, default=16, metavar="TOKENS", help="tokens per KV block")
     group.add_argument("--disable-prefix-cache", action="store_true", help="turn the prefix cache off")

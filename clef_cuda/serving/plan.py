@@ -18,6 +18,7 @@ tables would fit. `plan_cache` is the split the engine applies to the measured f
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,9 +93,19 @@ class CachePlan:
         )
 
 
-def plan_cache(trunk: TrunkConfig, dtype: torch.dtype, config, free_bytes: int, where: str = "device") -> CachePlan:
+def plan_cache(
+    trunk: TrunkConfig,
+    dtype: torch.dtype,
+    config,
+    free_bytes: int,
+    where: str = "device",
+    max_fraction: float = 1.0,
+    remedies: tuple[str, ...] = (),
+) -> CachePlan:
     """Split kv_fraction of `free_bytes` (config: the engine's EngineConfig) into running state slots,
-    prefix snapshots and KV blocks. ValueError when it cannot hold one max_model_len record."""
+    prefix snapshots and KV blocks. ValueError when it cannot hold one max_model_len record, saying the longest
+    record it holds and the --kv-fraction that would hold one, or that none up to `max_fraction` (what a step's
+    activations leave of the free memory) would: the advice is one that works."""
     budget = int(config.kv_fraction * max(0, free_bytes))
     slot_bytes = TrunkCache.slot_bytes(trunk, dtype)
     block_bytes = max(1, TrunkCache.block_bytes(trunk, dtype, config.block_size))
@@ -113,9 +124,37 @@ def plan_cache(trunk: TrunkConfig, dtype: torch.dtype, config, free_bytes: int, 
         raise ValueError(
             f"--kv-fraction {config.kv_fraction} of the free {where} memory ({free_bytes / GiB:.1f} GiB) leaves "
             f"room for {max(blocks, 0)} KV blocks, fewer than one {config.max_model_len}-token record needs "
-            f"({blocks_per_record}); raise --kv-fraction or lower --max-model-len"
+            f"({blocks_per_record}); "
+            + cache_advice(config, free_bytes, slot_bytes, block_bytes, max_fraction, remedies)
         )
     return CachePlan(budget, slot_bytes, block_bytes, running, snapshots, blocks, snapshot_budget)
+
+
+def cache_advice(
+    config, free_bytes: int, slot_bytes: int, block_bytes: int, max_fraction: float, remedies: tuple[str, ...] = ()
+) -> str:
+    """What would let the cache hold one max_model_len record, each piece of advice one that works: the --kv-fraction
+    that holds one (at most max_fraction of `free_bytes`, what a step's activations leave), else that none does and
+    what frees memory (`remedies`, then a larger card); and the longest record that fits as things are (at
+    --kv-fraction, or max_fraction when that is less)."""
+    needed = config.max_num_seqs * slot_bytes + -(-config.max_model_len // config.block_size) * block_bytes
+    fraction = math.ceil(100 * needed / max(free_bytes, 1)) / 100
+    usable = min(config.kv_fraction, max_fraction)
+    longest = max(0, int(usable * free_bytes) - config.max_num_seqs * slot_bytes) // block_bytes * config.block_size
+    at = f"--kv-fraction {usable:.2f}" + (
+        f" (the most a step's activations leave; {config.kv_fraction} leaves them too little)"
+        if usable < config.kv_fraction
+        else ""
+    )
+    shorter = f"at {at} the longest record that fits is {longest} tokens (--max-model-len {longest})"
+    if fraction <= max_fraction:
+        return f"--kv-fraction {fraction:.2f} holds one; or {shorter}"
+    return (
+        f"no --kv-fraction up to {max_fraction:.2f}"
+        + (" (what a step's activations leave)" if max_fraction < 1 else "")
+        + " holds one; "
+        f"{shorter}; what frees memory for more: {', '.join((*remedies, 'a larger card'))}"
+    )
 
 
 def delta_rule_workspace_bytes(trunk: TrunkConfig, dtype: torch.dtype, tokens: int, sequences: int = 1) -> int:
@@ -406,7 +445,20 @@ def plan_serving(
         problem = f"the weights and what is reserved beside them need {(device_bytes - free) / GiB:.2f} GiB"
     else:
         try:
-            cache = plan_cache(config.trunk, dtype, engine_config, free, "planned")
+            # the most of the free memory the cache can have: what one step's activations leave
+            max_fraction = math.floor(100 * max(0.0, 1 - activations / free)) / 100
+            remedies = tuple(
+                remedy
+                for remedy, applies in (
+                    ("--quantize int8", quantize != "int8"),
+                    ("--vocab-tables host", on_gpu and vocab_tables == "device"),
+                    ("--max-num-seqs 1", engine_config.max_num_seqs > 1),
+                    ("a smaller --image-max-pixels (the tower's step is the largest)", vision_step > trunk_step),
+                    ("--tensor-parallel-size 2", ranks == 1),
+                )
+                if applies
+            )
+            cache = plan_cache(config.trunk, dtype, engine_config, free, "planned", max_fraction, remedies)
         except ValueError as error:
             problem = str(error)
         if problem is None and activations > (1 - engine_config.kv_fraction) * free:
