@@ -45,8 +45,8 @@ def check_before_loading(args, parser, log) -> tuple[int | None, str]:
         if args.plan and (warning := past_training(release.trunk, args.max_model_len)):
             log.warning(warning)  # a start warns from the Decider as it loads; --plan loads nothing
         check_adapters(args, release)
-        check_tensor_parallel(args, load_release_config(args.weights), log)
-        check_not_prequantized(args.weights, load_release_config(args.weights).fp8_block_size)
+        check_tensor_parallel(args, release, log)
+        check_not_prequantized(args.weights, release.fp8_block_size)
         if dtype_line:
             log.log(*dtype_line)
         return check_plan(args, log), description
