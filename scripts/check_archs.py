@@ -24,6 +24,7 @@ environment or under --packages DIR (a `pip install --target DIR` tree, as .ci/r
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -597,19 +598,26 @@ def main() -> int:
     parser.add_argument("--arch", action="append", choices=sorted(ARCHS), help="target(s) (default: every arch)")
     parser.add_argument("--quiet", action="store_true", help="do not print the resource usage")
     args = parser.parse_args()
+    archs = args.arch or list(ARCHS)
+    # One process an arch (NVRTC compiles on one core): CI's 2 cores check the seven archs in about half the time.
+    # Each process loads its own NVRTC, so nothing is shared but the compile cache, whose entries are renamed into
+    # place whole. The reports print in arch order, whichever finishes first.
+    workers = max(1, min(len(archs), int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)))
     failures = 0
-    for arch in args.arch or list(ARCHS):
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
         try:
-            report = check(args.packages, arch)
+            reports = list(pool.map(check, [args.packages] * len(archs), archs))
         except FileNotFoundError as missing:
             print(f"check_archs: {missing}\nand pass --packages .cache/nvrtc12", file=sys.stderr)
             return 1
+    for report in reports:
         print_report(report, args.quiet)
         for failure in report.failures:
             print(f"FAIL {report.arch} {failure}")
         failures += len(report.failures)
         if not report.failures:
-            print(f"check_archs: every kernel compiles for {arch} within its limits ({len(report.kernels)} kernels)")
+            kernels = len(report.kernels)
+            print(f"check_archs: every kernel compiles for {report.arch} within its limits ({kernels} kernels)")
     if failures:
         print(f"check_archs: {failures} failure(s)")
         return 1
