@@ -599,7 +599,7 @@ def main() -> int:
     parser.add_argument("--quiet", action="store_true", help="do not print the resource usage")
     args = parser.parse_args()
     archs = args.arch or list(ARCHS)
-    # One process an arch (NVRTC compiles on one core): CI's 2 cores check the seven archs in about half the time.
+    # One process an arch (NVRTC compiles on one core): CI's 2 cores check the ten archs in about half the time.
     # Each process loads its own NVRTC, so nothing is shared but the compile cache, whose entries are renamed into
     # place whole. The reports print in arch order, whichever finishes first.
     workers = max(1, min(len(archs), int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)))
