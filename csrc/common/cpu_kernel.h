@@ -158,7 +158,9 @@ CLEF_INLINE V exp_v(V x) {
   poly = poly * r + 5.0000001201e-1f;
   const V y = poly * r * r + r + 1.0f;
   const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;  // n = -127: 0.0f
-  return y * reinterpret_cast<const V&>(bits);
+  V scale;  // the bits as floats: memcpy, since a reinterpret_cast of the int vector broke strict aliasing
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
 }
 // For any float vector V (vf16, vf8; a kernel's AVX2 variant instantiates them with vf8): exp, SiLU, and
 // lanes_of<V> values of any storage type to/from fp32 lanes (the conversion loops vectorise: F16C, shifts).

@@ -1,15 +1,20 @@
 // CPU implementation of the paged KV cache ops.
 //
-// paged_attention: parallel over (sequence, KV head, block of query tokens). A work item's rows are its
-// tokens x the query heads of the group, so every key tile gathered from the pages serves all of them.
-// Each sequence's context is first gathered from the pages into fp32 tiles of 64 keys (K transposed);
-// then both products (scores = Q K^T and out += P V) run through one register-blocked 4 x 64
-// micro-kernel, with an online softmax per row in between.
+// paged_attention: work items are (sequence, KV head, block of query tokens). An item's rows
+// are its tokens x the query heads of the group, so every key tile read from the pages serves all of them.
+// Everything is computed transposed, the rows along the vector lanes: scores^T [keys][rows] = K Q^T, then
+// out^T [D][rows] += V^T P^T. So a tile's keys are read from the pages as they are stored (rows of D, converted
+// to fp32 in a small tile: nothing of the context is gathered whole, and memory does not grow with its length);
+// the online softmax's max, exp and sum run down the columns in full vectors (a row's running max and sum are
+// lanes), and both products run through one register-blocked micro-kernel. An item's rows sum over the keys in
+// one order whatever else is in the pack or however many threads run it: a record's answer does not depend on
+// its neighbours.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "common/cpu_kernel.h"
@@ -17,12 +22,6 @@
 
 namespace clef {
 namespace {
-
-// Keys per tile: a K^T tile of ~32 KB stays in L1 while the rows stream by (32 keys at D = 256); small
-// heads take up to 128 keys so the per-row softmax bookkeeping is amortised over more keys.
-constexpr int kMaxKeyTile = 128;
-CLEF_INLINE int key_tile_for(int Dp) { return std::clamp(8192 / Dp / 16 * 16, 32, kMaxKeyTile); }
-constexpr int kRowBlock = 4;  // rows are padded to a multiple of this
 
 CLEF_INLINE int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -45,212 +44,242 @@ CLEF_INLINE void store_v(float* p, typename Lanes<L>::f v) {
   *reinterpret_cast<typename Lanes<L>::f*>(p) = v;
 }
 
-// C[MR][L*NV] += A[MR][K] * B[K][L*NV]; row strides lda, ldb, ldc (floats). MR * NV accumulators live in
-// registers; each step loads NV vectors of B and broadcasts MR values of A.
-template <int L, int MR, int NV>
-CLEF_INLINE void micro_kernel(const float* A, int64_t lda, const float* B, int64_t ldb, int K, float* C, int64_t ldc) {
+// The micro-kernel's register block: MR rows of A by NV vectors of B's columns. AVX-512 (32 registers): 8 x 32,
+// 16 accumulators. AVX2 and SSE2 (16 registers): 6 x 2L, 12 accumulators + 2 loads + a broadcast = 15, and
+// more independent accumulators than FMA latency x pipes (8), which the 4 x 2L block had only just.
+template <int L>
+struct Block {
+  static constexpr int MR = L == 16 ? 8 : 6;
+  static constexpr int NV = 2;
+  static constexpr int COLS = NV * L;  // rows of attention are padded to a multiple of this
+};
+
+// C[MR][NV * L] (ACC: +=, else =) sum over k of A(i, k) B[k][:], where A(i, k) = A[i * sa + k * sk]: both
+// products read their A (the K tile, the V tile) in place through the strides. Each step loads NV vectors of
+// B and broadcasts MR values of A.
+template <int L, int MR, int NV, bool ACC>
+CLEF_INLINE void micro_kernel(const float* A, int64_t sa, int64_t sk, const float* B, int64_t ldb, int K, float* C,
+                              int64_t ldc, float* col_max) {
   typename Lanes<L>::f acc[MR][NV];
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = load_v<L>(C + r * ldc + L * v);
+    for (int v = 0; v < NV; ++v) acc[r][v] = ACC ? load_v<L>(C + r * ldc + L * v) : typename Lanes<L>::f{};
   for (int k = 0; k < K; ++k) {
     typename Lanes<L>::f b[NV];
     for (int v = 0; v < NV; ++v) b[v] = load_v<L>(B + k * ldb + L * v);
     for (int r = 0; r < MR; ++r) {
-      const float a = A[r * lda + k];
+      const float a = A[r * sa + k * sk];
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) store_v<L>(C + r * ldc + L * v, acc[r][v]);
+  if (col_max != nullptr)  // the scores' tile max per column, while they are in registers
+    for (int v = 0; v < NV; ++v) {
+      typename Lanes<L>::f m = load_v<L>(col_max + L * v);
+      for (int r = 0; r < MR; ++r) m = acc[r][v] > m ? acc[r][v] : m;
+      store_v<L>(col_max + L * v, m);
+    }
 }
 
-// C[rows][cols] += A[rows][K] * B[K][cols]; rows % 4 == 0, cols % 16 == 0 (callers pad with zeros).
-// L = 16 (AVX-512): 8 x 32 blocks, 16 accumulators of its 32 registers, 2 loads and 8 broadcasts per 16 FMAs.
-// L = 8 (AVX2): 4 x 16 blocks, 8 accumulators, 2 loads and a broadcast: 11 of its 16 registers; L = 4
-// (baseline SSE2) the same shape in 4 x 8 blocks.
-// The blocking changes no result: every element of C sums over k in the same order either way.
+// The last m < MR rows of A: the micro-kernel of exactly m rows.
+template <int L, int MR, int NV, bool ACC>
+CLEF_INLINE void micro_tail(int m, const float* A, int64_t sa, int64_t sk, const float* B, int64_t ldb, int K, float* C,
+                            int64_t ldc, float* col_max) {
+  if constexpr (MR > 0) {
+    if (m == MR) micro_kernel<L, MR, NV, ACC>(A, sa, sk, B, ldb, K, C, ldc, col_max);
+    else micro_tail<L, MR - 1, NV, ACC>(m, A, sa, sk, B, ldb, K, C, ldc, col_max);
+  }
+}
+
+// B and C are stored in panels of COLS columns, each panel contiguous ([K][COLS] and [M][COLS]): with the rows
+// of a whole matrix between them, a panel's rows were 512 bytes apart at 128 columns and fell into 8 of L1's 64
+// sets (a 16 KB panel thrashed a 32 KB L1). panel_offset(p, rows): where panel p of a matrix of `rows` rows starts.
 template <int L>
-CLEF_INLINE void gemm_acc(const float* A, int64_t lda, const float* B, int64_t ldb, int K, float* C, int64_t ldc, int rows,
-                          int cols) {
-  if constexpr (L < 16) {
-    for (int r = 0; r < rows; r += kRowBlock)
-      for (int c = 0; c < cols; c += 2 * L) micro_kernel<L, 4, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-  } else {
-    int r = 0;
-    for (; r + 8 <= rows; r += 8) {
-      int c = 0;
-      for (; c + 32 <= cols; c += 32) micro_kernel<16, 8, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-      for (; c < cols; c += 16) micro_kernel<16, 8, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-    }
-    for (; r < rows; r += kRowBlock) {
-      int c = 0;
-      for (; c + 32 <= cols; c += 32) micro_kernel<16, 4, 2>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-      for (; c < cols; c += 16) micro_kernel<16, 4, 1>(A + r * lda, lda, B + c, ldb, K, C + r * ldc + c, ldc);
-    }
+CLEF_INLINE int64_t panel_offset(int p, int rows) { return static_cast<int64_t>(p) * rows * Block<L>::COLS; }
+
+// C (+)= A(M x K) B, B [K x panels * COLS] and C [M x panels * COLS] in panels (above). Column panels outside,
+// so a panel of B stays in L1 while A's rows stream by. Every element of C sums over k in order: the blocking
+// changes no result. col_max (or nullptr): [panels * COLS], raised to each column's max of C.
+template <int L, bool ACC>
+CLEF_INLINE void gemm(const float* A, int64_t sa, int64_t sk, const float* B, int K, float* C, int M, int panels,
+                      float* col_max = nullptr) {
+  constexpr int MR = Block<L>::MR, NV = Block<L>::NV, COLS = Block<L>::COLS;
+  for (int c = 0; c < panels; ++c) {
+    const float* b = B + panel_offset<L>(c, K);
+    float* out = C + panel_offset<L>(c, M);
+    float* panel_max = col_max != nullptr ? col_max + c * COLS : nullptr;
+    int i = 0;
+    for (; i + MR <= M; i += MR) micro_kernel<L, MR, NV, ACC>(A + i * sa, sa, sk, b, COLS, K, out + i * COLS, COLS, panel_max);
+    if (i < M) micro_tail<L, MR - 1, NV, ACC>(M - i, A + i * sa, sa, sk, b, COLS, K, out + i * COLS, COLS, panel_max);
   }
 }
 
-// A tile of `keys` context keys in fp32: K transposed ([Dp][keys], so scores vectorise over keys)
-// followed by V ([keys][Dp]), plus a flag per key (-1: its page is inside the cache, 0: not).
-CLEF_INLINE int64_t tile_floats(int Dp, int keys) { return 2LL * Dp * keys; }
+// Keys a tile: its K and V ([keys][D] fp32 each, 64 KB at D = 256) and scores ([keys][rows]) stay in L2 beside
+// the item's Q^T and out^T; small heads take up to 256 keys so the per-tile bookkeeping (the running max's
+// rescale of out^T) is amortised over more keys.
+CLEF_INLINE int key_tile_for(int head_dim) { return std::clamp(16384 / head_dim / 16 * 16, 32, 256); }
+constexpr int kRowsPerItem = 128;     // about this many rows (tokens x the group's query heads) an item
 
-// When a (sequence, KV head) has several query blocks, its context is gathered once into such tiles and
-// every block reads contiguous, L2-friendly memory; with a single query block (decode, short chunks) each
-// tile is gathered on the fly into the work item's scratch instead, which stays in cache.
-struct GatheredContexts {
-  int Dp = 0;
-  int keys = 0;  // per tile
-  std::vector<int64_t> base;  // [batch * Hkv]: first float of each region, -1 when gathered on the fly
-  std::vector<float> data;
-  std::vector<int32_t> key_ok;
-
-  bool has(int region) const { return base[region] >= 0; }
-  const float* tile(int region, int t) const { return data.data() + base[region] + t * tile_floats(Dp, keys); }
-  const int32_t* ok(int region, int t) const { return key_ok.data() + base[region] / (2 * Dp) + t * keys; }
+// One item: the rows of `tokens` query tokens from q0 over keys [0, k_end) of its sequence (the causal ones).
+struct AttnItem {
+  int b, kv_head, q0, tokens, k_end;
+  int64_t cost() const { return static_cast<int64_t>(tokens) * k_end; }
 };
-
-template <typename T>
-CLEF_INLINE void gather_tile(const PagedAttentionParams& p, int b, int kv_head, int tile, int context_len, int Dp,
-                             int keys, float* kt, int32_t* ok) {
-  const int D = p.head_dim;
-  float* v = kt + static_cast<int64_t>(Dp) * keys;
-  const T* key_cache = static_cast<const T*>(p.key_cache);
-  const T* value_cache = static_cast<const T*>(p.value_cache);
-  std::fill(kt, kt + tile_floats(Dp, keys), 0.0f);
-  const int k0 = tile * keys;
-  // Consecutive keys of one head are Hkv * D elements apart (a page apart for clef-flash): prefetch ahead.
-  constexpr int kAhead = 4;
-  for (int kk = 0; kk < keys; ++kk) {
-    const int pos = k0 + kk;
-    if (pos + kAhead < context_len && kk + kAhead < keys) {
-      const int64_t ahead = paged_key_offset(p, b, pos + kAhead, kv_head);
-      if (ahead >= 0)
-        for (int off = 0; off < D * static_cast<int>(sizeof(T)); off += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(key_cache + ahead) + off);
-          __builtin_prefetch(reinterpret_cast<const char*>(value_cache + ahead) + off);
-        }
-    }
-    const int64_t off = pos < context_len ? paged_key_offset(p, b, pos, kv_head) : -1;
-    ok[kk] = off >= 0 ? -1 : 0;
-    if (off < 0) continue;
-    const T* ksrc = key_cache + off;
-    const T* vsrc = value_cache + off;
-    float* vrow = v + static_cast<int64_t>(kk) * Dp;
-    for (int d = 0; d < D; ++d) {
-      kt[static_cast<int64_t>(d) * keys + kk] = to_f32(ksrc[d]);
-      vrow[d] = to_f32(vsrc[d]);
-    }
-  }
-}
 
 struct AttnScratch {
-  std::vector<float> q, scores, out, m, l, tile;
-  std::vector<int32_t> tile_ok;
-  std::vector<int> pos;
+  std::vector<float> qt, outt, scores, kt, vt, m, l, col_max;
+  std::vector<int32_t> ok, pos;
 };
 
-// Horizontal max / sum of a vector's lanes (once per row and tile: not on the hot path).
-template <typename V, int L>
-CLEF_INLINE float hmax(V v) {
-  float m = v[0];
-  for (int i = 1; i < L; ++i) m = m > v[i] ? m : v[i];
-  return m;
+// Keys [k0, k0 + n) of a (sequence, KV head) in fp32 rows; ok[k] = -1 (a lane mask) where its page is inside the
+// cache, else 0 and the rows zero. Returns whether every key's page is.
+// Asks for keys [k0, k0 + n)'s K and V rows into L2 (prefetcht1), to be read one tile later: the hardware
+// prefetchers do not follow a block table, and without it a tile's read waited on memory for each page (18% of
+// the time at head dim 16 and 64k keys, perf).
+template <typename T>
+CLEF_INLINE void prefetch_keys(const PagedAttentionParams& p, int b, int kv_head, int k0, int n) {
+  const char* key_cache = static_cast<const char*>(p.key_cache);
+  const char* value_cache = static_cast<const char*>(p.value_cache);
+  const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * sizeof(T);
+  for (int kk = 0; kk < n; ++kk) {
+    const int64_t off = paged_key_offset(p, b, k0 + kk, kv_head);
+    if (off < 0) continue;
+    for (int64_t line = 0; line < row_bytes; line += 64) {
+      __builtin_prefetch(key_cache + off * static_cast<int64_t>(sizeof(T)) + line, 0, 2);
+      __builtin_prefetch(value_cache + off * static_cast<int64_t>(sizeof(T)) + line, 0, 2);
+    }
+  }
 }
-template <typename V, int L>
-CLEF_INLINE float hsum(V v) {
-  float s = 0.0f;
-  for (int i = 0; i < L; ++i) s += v[i];
-  return s;
+
+template <typename T>
+CLEF_INLINE bool read_keys(const PagedAttentionParams& p, int b, int kv_head, int k0, int n, float* kt, float* vt,
+                           int32_t* ok) {
+  const int D = p.head_dim;
+  const T* key_cache = static_cast<const T*>(p.key_cache);
+  const T* value_cache = static_cast<const T*>(p.value_cache);
+  bool all = true;
+  for (int kk = 0; kk < n; ++kk) {
+    const int64_t off = paged_key_offset(p, b, k0 + kk, kv_head);
+    float* krow = kt + static_cast<int64_t>(kk) * D;
+    float* vrow = vt + static_cast<int64_t>(kk) * D;
+    ok[kk] = off >= 0 ? -1 : 0;
+    if (off < 0) {
+      all = false;
+      std::fill(krow, krow + D, 0.0f);
+      std::fill(vrow, vrow + D, 0.0f);
+      continue;
+    }
+    const T* ksrc = key_cache + off;
+    const T* vsrc = value_cache + off;
+    for (int d = 0; d < D; ++d) krow[d] = to_f32(ksrc[d]);
+    for (int d = 0; d < D; ++d) vrow[d] = to_f32(vsrc[d]);
+  }
+  return all;
+}
+
+// The online softmax over one tile of scores^T ([n][rows_p], in place: scores become probabilities), a panel of
+// COLS rows at a time: its tile max, the running max m and sum l (per row), and out^T's rescale by
+// exp(m_old - m_new). masked: some key of the tile is dead for some row (past its position, or its page outside
+// the cache): those scores are left out of the max and their probabilities are exactly 0. Else col_max holds
+// the tile's max per row (the first product's epilogue) and the scores are read once.
+template <int L>
+CLEF_INLINE void softmax_tile(float* scores, int n, int rows_p, int k0, bool masked, const int32_t* ok,
+                              const int32_t* pos, const float* col_max, float* m, float* l, float* outt, int D) {
+  using V = typename Lanes<L>::f;
+  using VI = typename Lanes<L>::i;
+  constexpr int NV = Block<L>::NV, COLS = Block<L>::COLS;
+  const V neg = V{} + kNegInf;
+  for (int c = 0; c < rows_p; c += COLS) {
+    float* panel_scores = scores + panel_offset<L>(c / COLS, n);
+    float* panel_out = outt + panel_offset<L>(c / COLS, D);
+    VI row_pos[NV];
+    V tile_max[NV];
+    for (int v = 0; v < NV; ++v) {
+      row_pos[v] = *reinterpret_cast<const VI*>(pos + c + v * L);
+      tile_max[v] = masked ? neg : load_v<L>(col_max + c + v * L);
+    }
+    for (int k = 0; k < n && masked; ++k) {
+      const float* srow = panel_scores + static_cast<int64_t>(k) * COLS;
+      for (int v = 0; v < NV; ++v) {
+        const V score = ((row_pos[v] >= k0 + k) & ok[k]) ? load_v<L>(srow + v * L) : neg;
+        tile_max[v] = score > tile_max[v] ? score : tile_max[v];
+      }
+    }
+    V m_new[NV], alpha[NV], sum[NV];
+    for (int v = 0; v < NV; ++v) {
+      const V m_old = load_v<L>(m + c + v * L);
+      m_new[v] = tile_max[v] > m_old ? tile_max[v] : m_old;
+      alpha[v] = exp_v<V, VI>(m_old - m_new[v]);  // nothing seen yet (m_old = kNegInf): 0, or 1 if still nothing
+      sum[v] = V{};
+    }
+    for (int k = 0; k < n; ++k) {
+      float* srow = panel_scores + static_cast<int64_t>(k) * COLS;
+      for (int v = 0; v < NV; ++v) {
+        V prob = exp_v<V, VI>(load_v<L>(srow + v * L) - m_new[v]);
+        if (masked) prob = ((row_pos[v] >= k0 + k) & ok[k]) ? prob : V{};
+        store_v<L>(srow + v * L, prob);
+        sum[v] += prob;
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      store_v<L>(l + c + v * L, load_v<L>(l + c + v * L) * alpha[v] + sum[v]);
+      store_v<L>(m + c + v * L, m_new[v]);
+    }
+    for (int d = 0; d < D; ++d)
+      for (int v = 0; v < NV; ++v) {
+        float* o = panel_out + static_cast<int64_t>(d) * COLS + v * L;
+        store_v<L>(o, load_v<L>(o) * alpha[v]);
+      }
+  }
 }
 
 template <typename T, int L>
-CLEF_INLINE void attention_block(const PagedAttentionParams& p, int b, int kv_head, int q0, int block_tokens,
-                                 const GatheredContexts& g, AttnScratch& w) {
-  using V = typename Lanes<L>::f;
-  using VI = typename Lanes<L>::i;
-  const AttnSeq s = attn_sequence(p, b);
+CLEF_INLINE void attend_item(const PagedAttentionParams& p, const AttnItem& item, int keys, AttnScratch& w) {
+  const AttnSeq s = attn_sequence(p, item.b);
   const int group = p.num_q_heads / p.num_kv_heads;
-  const int tokens = std::min(block_tokens, s.q_len - q0);
-  if (tokens <= 0) return;
-  const int rows = tokens * group;
-  const int rows_p = round_up(rows, kRowBlock);
+  const int rows = item.tokens * group;
+  const int rows_p = round_up(rows, Block<L>::COLS);
   const int D = p.head_dim;
-  const int Dp = g.Dp;
-  const int region = b * p.num_kv_heads + kv_head;
   const T* query = static_cast<const T*>(p.query);
-
-  w.q.assign(static_cast<size_t>(rows_p) * Dp, 0.0f);
-  w.out.assign(static_cast<size_t>(rows_p) * Dp, 0.0f);
-  const int keys = g.keys;
-  w.scores.resize(static_cast<size_t>(rows_p) * keys);
-  w.m.assign(rows, kNegInf);
-  w.l.assign(rows, 0.0f);
-  w.pos.resize(rows);
-  // Row r: token q0 + r / group, query head kv_head * group + r % group (the GPU kernel's order).
+  w.qt.assign(static_cast<size_t>(D) * rows_p, 0.0f);
+  w.outt.assign(static_cast<size_t>(D) * rows_p, 0.0f);
+  w.scores.resize(static_cast<size_t>(keys) * rows_p);
+  w.kt.resize(static_cast<size_t>(keys) * D);
+  w.vt.resize(static_cast<size_t>(keys) * D);
+  w.ok.resize(keys);
+  w.m.assign(rows_p, kNegInf);
+  w.l.assign(rows_p, 0.0f);
+  w.col_max.resize(rows_p);
+  w.pos.assign(rows_p, -1);  // padding rows: every key dead in a masked tile; finite and discarded otherwise
+  // Row r: token q0 + r / group, query head kv_head * group + r % group (the GPU kernels' order). Q^T, the
+  // scores and out^T are stored in panels of COLS rows (gemm): row r of out^T's d is at transposed(d, r).
+  constexpr int COLS = Block<L>::COLS;
+  const int panels = rows_p / COLS;
+  auto transposed = [&](int d, int r) { return panel_offset<L>(r / COLS, D) + static_cast<int64_t>(d) * COLS + r % COLS; };
   for (int r = 0; r < rows; ++r) {
-    const int qi = q0 + r / group;
-    const T* src = query + attn_query_offset(s.q_start + qi, kv_head * group + r % group, p);
-    for (int d = 0; d < D; ++d) w.q[static_cast<size_t>(r) * Dp + d] = to_f32(src[d]) * p.scale;
+    const int qi = item.q0 + r / group;
+    const T* src = query + attn_query_offset(s.q_start + qi, item.kv_head * group + r % group, p);
+    for (int d = 0; d < D; ++d) w.qt[transposed(d, r)] = to_f32(src[d]) * p.scale;
     w.pos[r] = attn_query_position(s, qi);
   }
-  VI lane;
-  for (int i = 0; i < L; ++i) lane[i] = i;
-  const int kv_end = attn_query_position(s, q0 + tokens - 1) + 1;
-  for (int k0 = 0; k0 < kv_end; k0 += keys) {
-    const int tile = k0 / keys;
-    const int nk = std::min(keys, kv_end - k0);
-    const float* kt;
-    const int32_t* ok;
-    if (g.has(region)) {
-      kt = g.tile(region, tile);
-      ok = g.ok(region, tile);
-    } else {
-      w.tile.resize(tile_floats(Dp, keys));
-      w.tile_ok.resize(keys);
-      gather_tile<T>(p, b, kv_head, tile, kv_end, Dp, keys, w.tile.data(), w.tile_ok.data());
-      kt = w.tile.data();
-      ok = w.tile_ok.data();
-    }
-    const float* vt = kt + static_cast<int64_t>(Dp) * keys;
-    std::fill(w.scores.begin(), w.scores.end(), 0.0f);
-    gemm_acc<L>(w.q.data(), Dp, kt, keys, Dp, w.scores.data(), keys, rows_p, keys);
-    for (int r = 0; r < rows; ++r) {
-      float* srow = w.scores.data() + static_cast<size_t>(r) * keys;
-      const int last = w.pos[r] - k0;  // keys kk <= last are causal for this row
-      // Two passes over the row, in memory: dead keys (past the row's position, outside the cache) become
-      // kNegInf, whose exp is exactly 0; then exp and sum. (Keeping the row in registers between the passes
-      // needs keys / L vectors: more than AVX2 has.)
-      const int vectors = keys / L;
-      const V neg = V{} + kNegInf;
-      V running = neg;
-      for (int c = 0; c < vectors; ++c) {
-        const VI live = ((lane + c * L) <= last) & *reinterpret_cast<const VI*>(ok + c * L);
-        const V masked = live ? load_v<L>(srow + c * L) : neg;
-        store_v<L>(srow + c * L, masked);
-        running = masked > running ? masked : running;
-      }
-      const SoftmaxStep step = softmax_step(w.m[r], hmax<V, L>(running));
-      V sum = {};
-      for (int c = 0; c < vectors; ++c) {
-        const V prob = exp_v<V, VI>(load_v<L>(srow + c * L) - step.m);
-        store_v<L>(srow + c * L, prob);
-        sum += prob;
-      }
-      const float total = hsum<V, L>(sum);
-      w.l[r] = w.l[r] * step.alpha + total;
-      w.m[r] = step.m;
-      float* orow = w.out.data() + static_cast<size_t>(r) * Dp;
-      if (step.alpha != 1.0f)
-        for (int d = 0; d < Dp; ++d) orow[d] *= step.alpha;
-    }
-    gemm_acc<L>(w.scores.data(), keys, vt, Dp, nk, w.out.data(), Dp, rows_p, Dp);
+  const int first_pos = w.pos[0];  // rows' positions grow with r: every key up to it is causal for every row
+  for (int k0 = 0; k0 < item.k_end; k0 += keys) {
+    const int n = std::min(keys, item.k_end - k0);
+    if (k0 + n < item.k_end) prefetch_keys<T>(p, item.b, item.kv_head, k0 + n, std::min(keys, item.k_end - k0 - n));
+    const bool pages_ok = read_keys<T>(p, item.b, item.kv_head, k0, n, w.kt.data(), w.vt.data(), w.ok.data());
+    const bool masked = !pages_ok || k0 + n - 1 > first_pos;
+    std::fill(w.col_max.begin(), w.col_max.end(), kNegInf);
+    gemm<L, false>(w.kt.data(), D, 1, w.qt.data(), D, w.scores.data(), n, panels, masked ? nullptr : w.col_max.data());
+    softmax_tile<L>(w.scores.data(), n, rows_p, k0, masked, w.ok.data(), w.pos.data(), w.col_max.data(), w.m.data(),
+                    w.l.data(), w.outt.data(), D);
+    gemm<L, true>(w.vt.data(), 1, D, w.scores.data(), n, w.outt.data(), D, panels);
   }
   T* out = static_cast<T*>(p.out);
   for (int r = 0; r < rows; ++r) {
-    const int qi = q0 + r / group;
-    T* dst = out + attn_out_offset(s.q_start + qi, kv_head * group + r % group, p);
+    const int qi = item.q0 + r / group;
+    T* dst = out + attn_out_offset(s.q_start + qi, item.kv_head * group + r % group, p);
     const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;  // no key seen: only with inconsistent metadata
-    for (int d = 0; d < D; ++d) dst[d] = from_f32<T>(w.out[static_cast<size_t>(r) * Dp + d] * inv);
+    for (int d = 0; d < D; ++d) dst[d] = from_f32<T>(w.outt[transposed(d, r)] * inv);
   }
 }
 
@@ -274,77 +303,48 @@ CLEF_INLINE void cache_write_token(const CacheWriteParams& p, int64_t token) {
 }  // namespace
 
 // Each variant in vectors of its register width (Lanes above).
-#define CLEF_ATTN_CPU_ENTRIES(suffix, T)                                                                  \
-  CLEF_CPU_VARIANTS(gather_tile_##suffix,                                                                 \
-                    (const PagedAttentionParams& p, int b, int h, int tile, int ctx, int Dp, int keys, float* kt, \
-                     int32_t* ok),                                                                        \
-                    (p, b, h, tile, ctx, Dp, keys, kt, ok), gather_tile<T>)                               \
-  CLEF_CPU_VARIANTS_EACH(attention_block_##suffix,                                                        \
-                         (const PagedAttentionParams& p, int b, int h, int q0, int n, const GatheredContexts& g, \
-                          AttnScratch& w),                                                                \
-                         (p, b, h, q0, n, g, w), (attention_block<T, 16>), (attention_block<T, 8>),       \
-                         (attention_block<T, 4>))
+#define CLEF_ATTN_CPU_ENTRIES(suffix, T)                                                                      \
+  CLEF_CPU_VARIANTS_EACH(attend_item_##suffix,                                                                \
+                         (const PagedAttentionParams& p, const AttnItem& item, int keys, AttnScratch& w),      \
+                         (p, item, keys, w), (attend_item<T, 16>), (attend_item<T, 8>), (attend_item<T, 4>))
 CLEF_ATTN_CPU_ENTRIES(f32, float)
 CLEF_ATTN_CPU_ENTRIES(f16, c10::Half)
 CLEF_ATTN_CPU_ENTRIES(bf16, c10::BFloat16)
 
+namespace {
+
+// The pack's items: each (sequence, KV head, block of about kRowsPerItem rows) over its causal keys.
+std::vector<AttnItem> attention_items(const PagedAttentionParams& p) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int block_tokens = std::max(1, kRowsPerItem / group);
+  std::vector<AttnItem> items;
+  for (int b = 0; b < p.batch; ++b) {
+    const AttnSeq s = attn_sequence(p, b);
+    for (int q0 = 0; q0 < s.q_len; q0 += block_tokens) {
+      const int tokens = std::min(block_tokens, s.q_len - q0);
+      const int k_end = std::max(0, attn_query_position(s, q0 + tokens - 1) + 1);
+      for (int h = 0; h < p.num_kv_heads; ++h) items.push_back({b, h, q0, tokens, k_end});
+    }
+  }
+  return items;
+}
+
+}  // namespace
+
 void paged_attention_cpu(const PagedAttentionParams& p, ScalarKind kind) {
   const bool f32 = kind == ScalarKind::F32, f16 = kind == ScalarKind::F16;
   const CpuIsa isa = cpu_isa();
-  auto gather_fn = f32 ? gather_tile_f32_for(isa) : f16 ? gather_tile_f16_for(isa) : gather_tile_bf16_for(isa);
-  auto block_fn = f32 ? attention_block_f32_for(isa) : f16 ? attention_block_f16_for(isa) : attention_block_bf16_for(isa);
-  const int group = p.num_q_heads / p.num_kv_heads;
-
-  // Pass 1: gather the context of every (sequence, KV head) with several query blocks (see GatheredContexts).
-  const int block_tokens = std::max(1, 128 / group);  // about 128 rows per work item
-  GatheredContexts g;
-  g.Dp = round_up(p.head_dim, 16);  // a multiple of both vector widths
-  g.keys = key_tile_for(g.Dp);
-  const int regions = p.batch * p.num_kv_heads;
-  g.base.assign(regions, -1);
-  std::vector<int> needed(p.batch), tile_start(regions + 1, 0);
-  int64_t floats = 0;
-  for (int b = 0; b < p.batch; ++b) {
-    const AttnSeq s = attn_sequence(p, b);
-    needed[b] = s.q_len > 0 ? std::max(0, attn_query_position(s, s.q_len - 1) + 1) : 0;
-    const int tiles = s.q_len > block_tokens ? (needed[b] + g.keys - 1) / g.keys : 0;
-    for (int h = 0; h < p.num_kv_heads; ++h) {
-      const int region = b * p.num_kv_heads + h;
-      if (tiles > 0) g.base[region] = floats;
-      tile_start[region + 1] = tile_start[region] + tiles;
-      floats += tiles * tile_floats(g.Dp, g.keys);
-    }
-  }
-  g.data.resize(floats);
-  g.key_ok.resize(floats / (2 * g.Dp));
-  at::parallel_for(0, tile_start[regions], 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int region = static_cast<int>(std::upper_bound(tile_start.begin(), tile_start.end(), i) - tile_start.begin()) - 1;
-      const int b = region / p.num_kv_heads, t = static_cast<int>(i - tile_start[region]);
-      gather_fn(p, b, region % p.num_kv_heads, t, needed[b], g.Dp, g.keys, const_cast<float*>(g.tile(region, t)),
-                const_cast<int32_t*>(g.ok(region, t)));
-    }
-  });
-
-  // Pass 2: attention per (sequence, query block, KV head).
-  std::vector<int64_t> item_start(p.batch + 1, 0);
-  for (int b = 0; b < p.batch; ++b) {
-    const AttnSeq s = attn_sequence(p, b);
-    item_start[b + 1] = item_start[b] + static_cast<int64_t>((s.q_len + block_tokens - 1) / block_tokens) * p.num_kv_heads;
-  }
-  const int64_t items = item_start[p.batch];
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  auto attend = f32 ? attend_item_f32_for(isa) : f16 ? attend_item_f16_for(isa) : attend_item_bf16_for(isa);
+  const int keys = key_tile_for(p.head_dim);
+  const std::vector<AttnItem> items = attention_items(p);
+  // Dynamic scheduling, the most costly first: later query blocks attend more keys (causal).
+  std::vector<int> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return items[a].cost() > items[b].cost(); });
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, std::max(1, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     AttnScratch scratch;
-    for (int64_t i = begin; i < end; ++i) {
-      // Later query blocks attend more keys (causal); zig-zag so each thread's contiguous share of the
-      // range mixes cheap and expensive items.
-      const int64_t item = i % 2 == 0 ? i / 2 : items - 1 - i / 2;
-      const int b = static_cast<int>(std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin()) - 1;
-      const int64_t local = item - item_start[b];
-      const int kv_head = static_cast<int>(local % p.num_kv_heads);
-      const int q0 = static_cast<int>(local / p.num_kv_heads) * block_tokens;
-      block_fn(p, b, kv_head, q0, block_tokens, g, scratch);
-    }
+    for (size_t i = next.fetch_add(1); i < order.size(); i = next.fetch_add(1)) attend(p, items[order[i]], keys, scratch);
   });
 }
 
