@@ -9,7 +9,7 @@ Each side runs in a fresh process per length (peak resident memory is a process'
 clef_finetune's tiny one (clef-flash's layer pattern, 3 delta-rule layers to 1 attention layer, 4,096 trained
 positions: long records are past them, which its random weights do not know of, so both sides are allowed).
 
-    python benchmarks/long_context.py                               # 4k ... 256k, about 20 minutes on 2 cores
+    python benchmarks/long_context.py                               # 4k ... 256k (64k: about a minute on 2 cores)
     python benchmarks/long_context.py --tokens 4096,16384 --markdown benchmarks/RESULTS.md
 """
 
