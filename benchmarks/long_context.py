@@ -138,7 +138,11 @@ def main() -> int:
             extra = ours["peak_mb"] - ours["loaded_mb"] - ours["kv_mb"]
             extras.append(extra)
             attention_rate = ours["attention_flops"] / max(ours["attention_seconds"], 1e-9) / 1e9
-            same = "-" if ref is None else ("yes" if rounded_answers(ref["body"]) == rounded_answers(ours["body"]) else "NO")
+            same = (
+                "-"
+                if ref is None
+                else ("yes" if rounded_answers(ref["body"]) == rounded_answers(ours["body"]) else "NO")
+            )
             rows.append(
                 [
                     f"{ours['tokens']:,}",
